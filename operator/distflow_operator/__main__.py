@@ -1,0 +1,54 @@
+"""``distflow-operator``: run the operator (kopf) against the current cluster.
+
+    distflow-operator                       # all namespaces; metrics :8080, liveness :8081/healthz
+    distflow-operator -n team-a -n team-b   # only these namespaces
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from distflow_operator.config import OperatorConfig
+
+
+def _parser() -> argparse.ArgumentParser:
+    defaults = OperatorConfig()
+    parser = argparse.ArgumentParser(prog="distflow-operator", description="The RLPostTrainJob operator.")
+    parser.add_argument("-n", "--namespace", action="append", default=[],
+                        help="watch this namespace (repeatable; default: all namespaces)")
+    parser.add_argument("--metrics-port", type=int, default=8080, help="operator /metrics port (0: off)")
+    parser.add_argument("--liveness-port", type=int, default=8081, help="/healthz port (0: off)")
+    parser.add_argument("--progress-interval", type=float, default=defaults.progress_interval_s,
+                        help="seconds between progress scrapes of node 0")
+    parser.add_argument("--resync-interval", type=float, default=defaults.resync_interval_s,
+                        help="seconds between full resyncs")
+    parser.add_argument("--api-workers", type=int, default=defaults.api_workers,
+                        help="threads making API calls")
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        config = OperatorConfig(metrics_port=args.metrics_port, progress_interval_s=args.progress_interval,
+                                resync_interval_s=args.resync_interval, api_workers=args.api_workers)
+    except ValueError as err:
+        print(f"distflow-operator: {err}", file=sys.stderr)
+        return 2
+    import kopf
+
+    import distflow_operator.handlers  # noqa: F401  (registers the handlers)
+
+    kopf.configure(verbose=args.verbose, log_format=kopf.LogFormat.PLAIN)
+    logging.getLogger("distflow_operator").setLevel(logging.DEBUG if args.verbose else logging.INFO)
+    liveness = f"http://0.0.0.0:{args.liveness_port}/healthz" if args.liveness_port else None
+    kopf.run(standalone=True, clusterwide=not args.namespace, namespaces=args.namespace,
+             liveness_endpoint=liveness, memo=kopf.Memo(config=config))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

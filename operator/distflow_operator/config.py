@@ -1,0 +1,48 @@
+"""Operator settings: from command-line flags (``distflow-operator``) or, when
+the handlers are loaded by ``kopf run`` / ``KopfRunner``, from the environment."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class OperatorConfig:
+    metrics_port: int = 0
+    """Port of the operator's /metrics (0: not served)."""
+    progress_interval_s: float = 15.0
+    """How often node 0 of each running job is scraped for progress."""
+    resync_interval_s: float = 60.0
+    """How often every job is reconciled even without events."""
+    api_workers: int = 16
+    """Threads making API calls (pods of one job are created in parallel)."""
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.metrics_port <= 65535:
+            raise ValueError(f"metrics_port={self.metrics_port}: use 0 (off) or a port up to 65535")
+        if self.progress_interval_s <= 0 or self.resync_interval_s <= 0:
+            raise ValueError("progress_interval_s and resync_interval_s must be > 0 seconds")
+        if self.api_workers < 1:
+            raise ValueError(f"api_workers={self.api_workers}: must be >= 1")
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] = os.environ) -> "OperatorConfig":
+        """DISTFLOW_OPERATOR_{METRICS_PORT,PROGRESS_INTERVAL,RESYNC_INTERVAL,API_WORKERS}.
+
+        Raises:
+            ValueError: a variable is not a number, or out of range.
+        """
+        def get(name: str, kind: type, default: float | int):
+            raw = environ.get(f"DISTFLOW_OPERATOR_{name}")
+            try:
+                return kind(raw) if raw not in (None, "") else default
+            except ValueError:
+                raise ValueError(f"DISTFLOW_OPERATOR_{name}={raw!r}: expected a {kind.__name__}") from None
+
+        defaults = cls()
+        return cls(metrics_port=get("METRICS_PORT", int, defaults.metrics_port),
+                   progress_interval_s=get("PROGRESS_INTERVAL", float, defaults.progress_interval_s),
+                   resync_interval_s=get("RESYNC_INTERVAL", float, defaults.resync_interval_s),
+                   api_workers=get("API_WORKERS", int, defaults.api_workers))

@@ -1,0 +1,274 @@
+"""Generate the RLPostTrainJob CRD from the spec model (``distflow.spec``).
+
+    python -m distflow_operator.crdgen            # write crds/rlposttrainjobs.distflow.io.yaml
+    python -m distflow_operator.crdgen --check    # exit 1 if the checked-in file is stale
+
+The pydantic JSON schema becomes a Kubernetes structural schema:
+
+- ``$ref`` is inlined (the field's docstring wins over the class docstring);
+- ``anyOf: [X, null]`` becomes X. Without ``nullable`` the API server prunes an
+  explicit null, which leaves the field unset -- what pydantic does with None;
+- JSON-Schema-2020 ``exclusiveMinimum: v`` becomes ``minimum: v`` +
+  ``exclusiveMinimum: true`` (OpenAPI v3.0);
+- ``dict[str, Any]`` (and Any) become ``x-kubernetes-preserve-unknown-fields``;
+- an optional sub-object whose fields all have defaults gets ``default: {}``, so
+  the stored job shows every effective value and CEL rules can rely on it;
+- strings the model checks against a list (advantage estimators, ...) get that
+  list as ``enum``;
+- unknown fields are rejected by kubectl's strict field validation, so
+  ``additionalProperties: false`` is dropped (structural schemas forbid it).
+
+CEL rules (``x-kubernetes-validations``) add what a schema cannot say: the
+spec's cross-field size checks (same messages as ``distflow.spec``), fields
+that may not change while the job exists, pod-template env names the operator
+owns, and a metadata.name short enough for ``<name>-node-<rank>``. Anything
+the generator cannot express raises, so a spec change never silently weakens
+the CRD.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from distflow.spec import (
+    ADVANTAGE_ESTIMATORS, BUILTIN_WORKFLOWS, KL_ESTIMATORS, LOSS_AGG_MODES, NODE_ROLES,
+    POLICY_LOSSES, JobSpec,
+)
+
+from distflow_operator import (
+    API_GROUP, API_VERSION, CATEGORY, CRD_NAME, KIND, PLURAL, SHORT_NAME, SINGULAR,
+)
+from distflow_operator.render import OPERATOR_ENV_NAMES
+from distflow_operator.status import JobStatus
+
+DEFAULT_OUTPUT = Path("crds") / f"{CRD_NAME}.yaml"
+HEADER = ("# Generated from distflow.spec by `python -m distflow_operator.crdgen`; do not edit.\n"
+          "# tests/unit/test_crd.py fails when this file is stale.\n")
+
+CHOICES: dict[tuple[str, ...], tuple[str, ...]] = {
+    ("algorithm", "advantageEstimator"): ADVANTAGE_ESTIMATORS,
+    ("algorithm", "policyLoss"): POLICY_LOSSES,
+    ("algorithm", "klLossType"): KL_ESTIMATORS,
+    ("algorithm", "lossAggMode"): LOSS_AGG_MODES,
+    ("workflow", "name"): BUILTIN_WORKFLOWS,
+    ("workflow", "nodes", "*", "role"): NODE_ROLES,
+}
+"""Spec paths (``*`` = list item) of strings validated against a list -> their enum."""
+
+IMMUTABLE = ("model", "data", "rollout", "algorithm", "actor", "workflow", "cluster", "dataPlane",
+             "checkpoint", "trainer")
+"""What the pods compute: fixed for the job's life (runPolicy stays editable)."""
+
+MAX_NAME_LENGTH = 53
+"""63 (DNS label) minus len('-node-4095'): the longest pod hostname must still fit."""
+
+_COPIED = ("type", "description", "enum", "pattern", "minLength", "maxLength", "minItems", "maxItems",
+           "minimum", "maximum", "format")
+_HANDLED = set(_COPIED) | {"title", "default", "properties", "required", "additionalProperties",
+                           "items", "exclusiveMinimum", "exclusiveMaximum", "$ref", "anyOf"}
+
+_WORLD = "(self.cluster.numNodes * self.cluster.procsPerNode)"
+_TP = "self.rollout.tensorParallelSize"
+_DP = f"({_WORLD} / {_TP} > 1 ? {_WORLD} / {_TP} : 1)"
+_MINI = "self.actor.ppoMiniBatchSize"
+_BATCH = "self.data.trainBatchSize"
+
+SPEC_RULES: list[dict[str, str]] = [
+    # Mirrors distflow.spec._size_problems; the operator tier asserts both give the same message.
+    {"rule": f"{_TP} < 1 || {_WORLD} % {_TP} == 0",
+     "messageExpression": f"'rollout.tensorParallelSize: ' + string({_TP}) + ' does not divide the ' + "
+                          f"string({_WORLD}) + ' workers (cluster.numNodes x cluster.procsPerNode); "
+                          f"pick a divisor of ' + string({_WORLD})",
+     "fieldPath": ".rollout.tensorParallelSize", "reason": "FieldValueInvalid"},
+    {"rule": f"{_TP} < 1 || {_BATCH} % {_DP} == 0",
+     "messageExpression": f"'data.trainBatchSize: ' + string({_BATCH}) + ' prompts cannot be split evenly "
+                          f"over ' + string({_DP}) + ' rollout dp ranks; use a multiple of ' + string({_DP})",
+     "fieldPath": ".data.trainBatchSize", "reason": "FieldValueInvalid"},
+    {"rule": f"!has({_MINI}) || {_MINI} < 1 || {_BATCH} % {_MINI} == 0",
+     "messageExpression": f"'actor.ppoMiniBatchSize: ' + string({_MINI}) + ' does not divide "
+                          f"data.trainBatchSize=' + string({_BATCH}) + '; use a divisor of ' + string({_BATCH})",
+     "fieldPath": ".actor.ppoMiniBatchSize", "reason": "FieldValueInvalid"},
+    {"rule": f"self.rollout.engine != 'hf' || {_TP} == 1",
+     "message": "rollout.tensorParallelSize: the hf engine runs with 1; set it to 1 or use engine vllm",
+     "fieldPath": ".rollout.tensorParallelSize", "reason": "FieldValueInvalid"},
+    {"rule": "oldSelf.runPolicy.suspend || (self.template == oldSelf.template && "
+             "self.scheduling == oldSelf.scheduling)",
+     "message": "spec.template and spec.scheduling may change only while the job is suspended; "
+                "set spec.runPolicy.suspend: true first"},
+]
+
+ENV_NAME_RULE = {
+    "rule": "self.all(e, !(e.name in [" + ", ".join(f"'{n}'" for n in OPERATOR_ENV_NAMES) + "]))",
+    "message": "spec.template.env: the operator sets " + ", ".join(OPERATOR_ENV_NAMES)
+               + " on every node; remove them from template.env",
+}
+NAME_RULE = {
+    "rule": f"size(self.metadata.name) <= {MAX_NAME_LENGTH} && "
+            "self.metadata.name.matches('^[a-z]([-a-z0-9]*[a-z0-9])?$')",
+    "message": f"metadata.name: must start with a letter, contain only a-z, 0-9 and '-', and be at "
+               f"most {MAX_NAME_LENGTH} characters (it names the Service and the pods <name>-node-<rank>)",
+}
+
+OVERLAYS: dict[tuple[str, ...], dict[str, Any]] = {
+    # An EnvVar needs a name, and CEL can read only declared fields.
+    ("template", "env", "*"): {"required": ["name"], "properties": {"name": {"type": "string", "minLength": 1}}},
+    ("template", "env"): {"x-kubernetes-validations": [ENV_NAME_RULE]},
+}
+
+
+def _resolve(node: dict[str, Any], defs: dict[str, Any]) -> dict[str, Any]:
+    """Inline ``$ref`` and unwrap ``anyOf: [X, null]``."""
+    if "anyOf" in node:
+        options = [o for o in node["anyOf"] if o.get("type") != "null"]
+        if len(options) != 1 or len(node["anyOf"]) != 2:
+            raise ValueError(f"crdgen: cannot express anyOf {node['anyOf']}; use `X | None` only")
+        node = {**_resolve(options[0], defs), **{k: v for k, v in node.items() if k != "anyOf"}}
+    if "$ref" in node:
+        target = defs[node["$ref"].rsplit("/", 1)[-1]]
+        sibling = {k: v for k, v in node.items() if k != "$ref"}
+        node = {**_resolve(target, defs), **sibling}
+    return node
+
+
+def _structural(node: dict[str, Any], defs: dict[str, Any], path: tuple[str, ...],
+                with_defaults: bool) -> dict[str, Any]:
+    unknown = set(node) - _HANDLED
+    if unknown:
+        raise ValueError(f"crdgen: {'.'.join(path)}: unsupported schema keywords {sorted(unknown)}")
+    out = {k: node[k] for k in _COPIED if k in node}
+    if "description" in out:
+        # Docstrings wrap at 100 columns; kubectl explain re-wraps anyway.
+        out["description"] = " ".join(out["description"].split())
+    for bound, limit in (("exclusiveMinimum", "minimum"), ("exclusiveMaximum", "maximum")):
+        if bound in node:
+            out[limit], out[bound] = node[bound], True
+    if with_defaults and node.get("default") is not None:
+        out["default"] = node["default"]
+    kind = node.get("type")
+    if kind == "object" and "properties" in node:
+        out["properties"] = {}
+        for name, child in node["properties"].items():
+            resolved = _resolve(child, defs)
+            sub = _structural(resolved, defs, path + (name,), with_defaults)
+            if (with_defaults and name not in node.get("required", ()) and "properties" in resolved
+                    and not resolved.get("required") and "default" not in sub):
+                sub["default"] = {}
+            out["properties"][name] = sub
+        if node.get("required"):
+            out["required"] = list(node["required"])
+    elif kind == "object" and isinstance(node.get("additionalProperties"), dict):
+        out["additionalProperties"] = _structural(_resolve(node["additionalProperties"], defs), defs,
+                                                  path + ("*",), with_defaults)
+    elif kind == "object" or kind is None:
+        out["x-kubernetes-preserve-unknown-fields"] = True
+    elif kind == "array":
+        out["items"] = _structural(_resolve(node["items"], defs), defs, path + ("*",), with_defaults)
+    if path in CHOICES:
+        out["enum"] = list(CHOICES[path])
+    for key, extra in OVERLAYS.get(path, {}).items():
+        out[key] = {**out.get(key, {}), **extra} if isinstance(extra, dict) else list(extra)
+    return out
+
+
+def model_schema(model: type, with_defaults: bool) -> dict[str, Any]:
+    """Structural OpenAPI v3 schema of a pydantic model (camelCase field names)."""
+    raw = model.model_json_schema(by_alias=True, mode="validation")
+    defs = raw.pop("$defs", {})
+    return _structural(raw, defs, (), with_defaults)
+
+
+def spec_schema() -> dict[str, Any]:
+    schema = model_schema(JobSpec, with_defaults=True)
+    for name in IMMUTABLE:
+        schema["properties"][name]["x-kubernetes-validations"] = [{
+            "rule": "self == oldSelf",
+            "message": f"spec.{name} cannot change while the job exists; create a new job "
+                       f"(it resumes from spec.checkpoint.dir)"}]
+    schema["x-kubernetes-validations"] = SPEC_RULES
+    return schema
+
+
+def status_schema() -> dict[str, Any]:
+    schema = model_schema(JobStatus, with_defaults=False)
+    conditions = schema["properties"]["conditions"]
+    conditions["x-kubernetes-list-type"] = "map"
+    conditions["x-kubernetes-list-map-keys"] = ["type"]
+    return schema
+
+
+PRINTER_COLUMNS = [
+    {"name": "Phase", "type": "string", "jsonPath": ".status.phase"},
+    {"name": "Nodes", "type": "string", "jsonPath": ".status.nodes", "description": "ready/desired node pods"},
+    {"name": "Step", "type": "integer", "jsonPath": ".status.progress.step"},
+    {"name": "Tokens/s", "type": "number", "jsonPath": ".status.progress.tokensPerSecond"},
+    {"name": "Restarts", "type": "integer", "jsonPath": ".status.restarts"},
+    {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
+    {"name": "Reason", "type": "string", "jsonPath": ".status.reason", "priority": 1},
+]
+
+
+def build_crd() -> dict[str, Any]:
+    """The CustomResourceDefinition object."""
+    root = {
+        "type": "object",
+        "description": f"{KIND}: fully distributed RL post-training (GRPO, PPO, ...) of an LLM.",
+        "required": ["spec"],
+        "properties": {
+            "apiVersion": {"type": "string"},
+            "kind": {"type": "string"},
+            "metadata": {"type": "object"},
+            "spec": spec_schema(),
+            "status": status_schema(),
+        },
+        "x-kubernetes-validations": [NAME_RULE],
+    }
+    return {
+        "apiVersion": "apiextensions.k8s.io/v1",
+        "kind": "CustomResourceDefinition",
+        "metadata": {"name": CRD_NAME,
+                     "labels": {"app.kubernetes.io/name": "distflow", "app.kubernetes.io/part-of": "distflow"}},
+        "spec": {
+            "group": API_GROUP,
+            "names": {"kind": KIND, "listKind": f"{KIND}List", "plural": PLURAL, "singular": SINGULAR,
+                      "shortNames": [SHORT_NAME], "categories": [CATEGORY]},
+            "scope": "Namespaced",
+            "versions": [{
+                "name": API_VERSION, "served": True, "storage": True,
+                "subresources": {"status": {}},
+                "additionalPrinterColumns": PRINTER_COLUMNS,
+                "schema": {"openAPIV3Schema": root},
+            }],
+        },
+    }
+
+
+def render_crd_yaml() -> str:
+    return HEADER + yaml.safe_dump(build_crd(), sort_keys=False, width=1000)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m distflow_operator.crdgen", description=__doc__.splitlines()[0])
+    parser.add_argument("--output", type=Path, default=DEFAULT_OUTPUT, help=f"default: {DEFAULT_OUTPUT}")
+    parser.add_argument("--check", action="store_true", help="exit 1 if --output differs from the model")
+    args = parser.parse_args(argv)
+    text = render_crd_yaml()
+    if args.check:
+        current = args.output.read_text() if args.output.exists() else ""
+        if current != text:
+            print(f"{args.output} is stale; run: python -m distflow_operator.crdgen", file=sys.stderr)
+            return 1
+        print(f"{args.output} is up to date")
+        return 0
+    args.output.parent.mkdir(parents=True, exist_ok=True)
+    args.output.write_text(text)
+    print(f"wrote {args.output}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,134 @@
+"""kopf handlers: thin glue from watch events to the reconciler.
+
+Only index and event handlers are used: neither makes kopf add a finalizer or
+write bookkeeping, so a job can always be deleted, with or without a running
+operator (timers and daemons would need a finalizer; there is no delete
+handler). The storages are still set to the ``distflow.io`` annotation prefix
+so that any change handler added later keeps its state under the project's
+own keys and never in ``status``.
+
+Load with ``kopf run -m distflow_operator.handlers`` (or ``distflow-operator``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+import kopf
+from prometheus_client import CollectorRegistry, ProcessCollector, start_http_server
+
+from distflow_operator import API_GROUP, API_VERSION, MANAGER, PLURAL
+from distflow_operator.config import OperatorConfig
+from distflow_operator.kube import KubeApi, client_configuration, kopf_login
+from distflow_operator.metrics import OperatorMetrics
+from distflow_operator.observed import pod_view
+from distflow_operator.reconcile import Reconciler
+from distflow_operator.render import LABEL_JOB, LABEL_MANAGED_BY
+
+NODE_POD_LABELS = {LABEL_MANAGED_BY: MANAGER, LABEL_JOB: kopf.PRESENT}
+
+
+@dataclass
+class OperatorRuntime:
+    """What one operator run owns; kept in kopf's operator-level memo."""
+
+    api: KubeApi
+    reconciler: Reconciler
+    metrics: OperatorMetrics
+    tasks: list[asyncio.Task] = field(default_factory=list)
+    metrics_server: Any = None
+
+    async def stop(self) -> None:
+        for task in self.tasks:
+            task.cancel()
+        await asyncio.gather(*self.tasks, return_exceptions=True)
+        await self.reconciler.close()
+        if self.metrics_server is not None:
+            self.metrics_server.shutdown()
+        self.api.close()
+
+
+def configure(settings: kopf.OperatorSettings) -> None:
+    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=API_GROUP)
+    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
+        prefix=API_GROUP, key="last-handled-configuration")
+    settings.persistence.finalizer = f"{API_GROUP}/kopf-finalizer"
+    # Our own Events come from the reconciler; kopf posts only its warnings and errors.
+    settings.posting.level = logging.WARNING
+    settings.posting.reporting_component = MANAGER
+    # Watches end and re-list every few minutes: a silently stalled stream heals itself.
+    settings.watching.server_timeout = 300
+    settings.watching.client_timeout = 330
+    settings.watching.connect_timeout = 30
+    settings.networking.request_timeout = 60
+    # One replica (Deployment strategy Recreate); no peering objects needed.
+    settings.peering.standalone = True
+
+
+def _serve_metrics(port: int, metrics: OperatorMetrics) -> Any:
+    registry = CollectorRegistry()
+    registry.register(metrics)
+    ProcessCollector(registry=registry)
+    server, _thread = start_http_server(port, registry=registry)
+    return server
+
+
+@kopf.on.login()
+def login(**kwargs: Any) -> Any:
+    return kopf_login(**kwargs)
+
+
+@kopf.on.startup()
+async def start_operator(settings: kopf.OperatorSettings, memo: kopf.Memo, rljob_index: kopf.Index,
+                         node_pod_index: kopf.Index, logger: logging.Logger, **_: Any) -> None:
+    configure(settings)
+    config = memo.get("config") or OperatorConfig.from_env()
+    metrics = OperatorMetrics()
+    api = KubeApi(client_configuration(), pool_size=config.api_workers)
+    reconciler = Reconciler(api, rljob_index, node_pod_index, metrics, api_workers=config.api_workers)
+    runtime = OperatorRuntime(api, reconciler, metrics)
+    runtime.tasks = [asyncio.create_task(reconciler.resync_forever(config.resync_interval_s)),
+                     asyncio.create_task(reconciler.scrape_forever(config.progress_interval_s))]
+    if config.metrics_port:
+        runtime.metrics_server = _serve_metrics(config.metrics_port, metrics)
+    memo["runtime"] = runtime
+    logger.info("distflow operator started: %s", config)
+
+
+@kopf.on.cleanup()
+async def stop_operator(memo: kopf.Memo, **_: Any) -> None:
+    runtime = memo.get("runtime")
+    if runtime is not None:
+        await runtime.stop()
+
+
+@kopf.index(API_GROUP, API_VERSION, PLURAL)
+def rljob_index(namespace: str, name: str, body: kopf.Body, **_: Any) -> dict:
+    # A snapshot: kopf's Body is a live view that later events replace in place.
+    return {(namespace, name): copy.deepcopy(dict(body))}
+
+
+@kopf.index("pods", labels=NODE_POD_LABELS)
+def node_pod_index(namespace: str, labels: kopf.Labels, body: kopf.Body, **_: Any) -> dict:
+    return {(namespace, labels[LABEL_JOB]): pod_view(body)}
+
+
+@kopf.on.event(API_GROUP, API_VERSION, PLURAL)
+async def job_changed(namespace: str, name: str, memo: kopf.Memo, **_: Any) -> None:
+    memo["runtime"].reconciler.kick((namespace, name))
+
+
+@kopf.on.event("pods", labels=NODE_POD_LABELS)
+async def node_pod_changed(namespace: str, labels: kopf.Labels, memo: kopf.Memo, **_: Any) -> None:
+    memo["runtime"].reconciler.kick((namespace, labels[LABEL_JOB]))
+
+
+@kopf.on.probe(id="jobs")
+def jobs_known(memo: kopf.Memo, **_: Any) -> int:
+    """Liveness payload: how many jobs the operator tracks."""
+    runtime = memo.get("runtime")
+    return runtime.reconciler.num_jobs if runtime is not None else 0

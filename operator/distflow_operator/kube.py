@@ -1,0 +1,172 @@
+"""The operator's writes to the Kubernetes API: the only module here that makes them.
+
+Calls are plain JSON over the ``kubernetes`` client's transport (its
+authentication, TLS and token refresh), without its typed models: bodies are
+the dicts ``render.py`` builds, responses stay dicts, and nothing is
+deserialised that the operator does not read. The client is synchronous; the
+reconciler runs these calls on a small thread pool.
+
+Credentials: ``$KUBECONFIG`` when set, else the in-cluster ServiceAccount when
+present, else ``~/.kube/config``. kopf's own watches log in the same way
+(see :func:`kopf_login`), so both halves of the operator act as one identity.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from kubernetes import client as k8s
+from kubernetes import config as k8s_config
+
+from distflow_operator import API_GROUP, API_VERSION, KIND, MANAGER, PLURAL
+from distflow_operator.observed import format_time
+from distflow_operator.render import JobRef
+
+SERVICE_ACCOUNT_TOKEN = Path("/var/run/secrets/kubernetes.io/serviceaccount/token")
+_PLURALS = {"Pod": "pods", "ConfigMap": "configmaps", "Service": "services", "PodGroup": "podgroups",
+            "Event": "events"}
+REQUEST_TIMEOUT_S = 30.0
+
+
+class KubeApiError(RuntimeError):
+    """An API call answered with an unexpected status."""
+
+    def __init__(self, method: str, path: str, status: int, body: dict[str, Any]):
+        self.status = status
+        self.reason = body.get("reason", "")
+        super().__init__(f"{method} {path} -> {status} {self.reason}: {body.get('message', body)}")
+
+
+class ChildConflict(RuntimeError):
+    """A child's name is taken by an object this job does not control."""
+
+
+def use_kubeconfig() -> bool:
+    """True: authenticate from a kubeconfig; False: from the in-cluster ServiceAccount."""
+    in_cluster = bool(os.environ.get("KUBERNETES_SERVICE_HOST")) and SERVICE_ACCOUNT_TOKEN.exists()
+    return bool(os.environ.get("KUBECONFIG")) or not in_cluster
+
+
+def client_configuration() -> k8s.Configuration:
+    cfg = k8s.Configuration()
+    if use_kubeconfig():
+        k8s_config.load_kube_config(client_configuration=cfg)
+    else:
+        k8s_config.load_incluster_config(client_configuration=cfg)
+    return cfg
+
+
+def kopf_login(**kwargs: Any):
+    """kopf login handler with the same preference as :func:`client_configuration`."""
+    import kopf
+
+    if use_kubeconfig():
+        return kopf.login_with_kubeconfig(**kwargs)
+    return kopf.login_with_service_account(**kwargs)
+
+
+def collection_path(api_version: str, kind: str, namespace: str) -> str:
+    prefix = "/api/v1" if api_version == "v1" else f"/apis/{api_version}"
+    return f"{prefix}/namespaces/{namespace}/{_PLURALS[kind]}"
+
+
+def job_path(namespace: str, name: str) -> str:
+    return f"/apis/{API_GROUP}/{API_VERSION}/namespaces/{namespace}/{PLURAL}/{name}"
+
+
+def _controller_uid(obj: dict[str, Any]) -> str | None:
+    refs = obj.get("metadata", {}).get("ownerReferences") or []
+    return next((r.get("uid") for r in refs if r.get("controller")), None)
+
+
+class KubeApi:
+    """Synchronous JSON calls against one API server."""
+
+    def __init__(self, configuration: k8s.Configuration, pool_size: int = 16):
+        configuration.connection_pool_maxsize = pool_size
+        self._client = k8s.ApiClient(configuration)
+
+    def close(self) -> None:
+        self._client.close()
+
+    def request(self, method: str, path: str, body: Any = None, *, query: list[tuple[str, str]] | None = None,
+                content_type: str = "application/json",
+                ok: tuple[int, ...] = (200, 201, 202)) -> tuple[int, dict[str, Any]]:
+        """One call; returns (status, decoded body).
+
+        Raises:
+            KubeApiError: the status is not in ``ok``.
+        """
+        method_, url, headers, payload, _ = self._client.param_serialize(
+            method, path, query_params=query or [], body=body, auth_settings=["BearerToken"],
+            header_params={"Content-Type": content_type, "Accept": "application/json"})
+        response = self._client.call_api(method_, url, header_params=headers, body=payload,
+                                         _request_timeout=REQUEST_TIMEOUT_S)
+        raw = response.read()
+        decoded = json.loads(raw) if raw else {}
+        if response.status not in ok:
+            raise KubeApiError(method, path, response.status, decoded)
+        return response.status, decoded
+
+    def create(self, obj: dict[str, Any]) -> bool:
+        """Create ``obj``; True if created, False if the name already exists (409)."""
+        meta = obj["metadata"]
+        status, _ = self.request("POST", collection_path(obj["apiVersion"], obj["kind"], meta["namespace"]),
+                                 obj, query=[("fieldManager", MANAGER)], ok=(201, 409))
+        return status == 201
+
+    def ensure(self, obj: dict[str, Any], owner: JobRef) -> None:
+        """Create ``obj`` or, if it exists and belongs to ``owner``, bring a ConfigMap's data up to date.
+
+        Raises:
+            ChildConflict: an object of that name exists that ``owner`` does not control.
+        """
+        if self.create(obj):
+            return
+        meta = obj["metadata"]
+        path = f"{collection_path(obj['apiVersion'], obj['kind'], meta['namespace'])}/{meta['name']}"
+        _, current = self.request("GET", path)
+        if _controller_uid(current) != owner.uid:
+            raise ChildConflict(f"{obj['kind']} {meta['name']} exists and is not controlled by "
+                                f"{KIND} {owner.name}; delete or rename it")
+        if obj["kind"] == "ConfigMap" and current.get("data") != obj["data"]:
+            self.request("PATCH", path, {"data": obj["data"]}, content_type="application/merge-patch+json",
+                         query=[("fieldManager", MANAGER)])
+
+    def delete_pod(self, namespace: str, name: str, uid: str) -> None:
+        """Delete one pod, only if it is still the object ``uid`` (gone already is fine)."""
+        self.request("DELETE", f"{collection_path('v1', 'Pod', namespace)}/{name}",
+                     {"preconditions": {"uid": uid}}, ok=(200, 202, 404, 409))
+
+    def delete_job(self, namespace: str, name: str, uid: str) -> None:
+        """Delete the job; the garbage collector removes its children."""
+        self.request("DELETE", job_path(namespace, name),
+                     {"preconditions": {"uid": uid}, "propagationPolicy": "Background"},
+                     ok=(200, 202, 404, 409))
+
+    def patch_job_status(self, namespace: str, name: str, patch: dict[str, Any]) -> bool:
+        """Merge-patch the status subresource; False if the job is gone."""
+        status, _ = self.request("PATCH", f"{job_path(namespace, name)}/status", {"status": patch},
+                                 content_type="application/merge-patch+json",
+                                 query=[("fieldManager", MANAGER)], ok=(200, 404))
+        return status == 200
+
+    def post_event(self, job: JobRef, event_type: str, reason: str, message: str) -> None:
+        """Record a core/v1 Event on the job (what `kubectl describe rljob` shows)."""
+        now = format_time(datetime.now(timezone.utc))
+        event = {
+            "apiVersion": "v1", "kind": "Event",
+            "metadata": {"generateName": f"{job.name}.", "namespace": job.namespace},
+            "involvedObject": {"apiVersion": f"{API_GROUP}/{API_VERSION}", "kind": KIND, "name": job.name,
+                               "namespace": job.namespace, "uid": job.uid},
+            "type": event_type, "reason": reason, "message": message[:1024],
+            "source": {"component": MANAGER}, "reportingComponent": MANAGER,
+            "reportingInstance": socket.gethostname()[:128],
+            "firstTimestamp": now, "lastTimestamp": now, "count": 1,
+        }
+        self.request("POST", collection_path("v1", "Event", job.namespace), event)

@@ -1,0 +1,313 @@
+"""Pure builders: a job spec and its owner -> the Kubernetes objects of the job.
+
+Children of a job ``<job>`` in its namespace:
+
+    ConfigMap  <job>-config        spec.yaml = the fully defaulted spec every pod reads
+    Service    <job>               headless, publishNotReadyAddresses (rank DNS before readiness)
+    Pod        <job>-node-<rank>   one per node; hostname/subdomain give
+                                   <job>-node-<rank>.<job>.<ns>.svc
+    PodGroup   <job>               only with scheduling.batchScheduler (gang scheduling)
+
+Nothing here reads the environment or the cluster: same spec, same objects.
+User errors in ``spec.template`` raise :class:`DistflowConfigError` naming the
+field; :func:`template_problems` lists them without raising (the operator marks
+the job Failed with them; the CRD's CEL rules reject most of them earlier).
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from typing import Any
+
+import yaml
+
+from distflow.errors import DistflowConfigError
+from distflow.spec import API_GROUP, API_VERSION, KIND, JobSpec, dump_spec
+
+from distflow_operator import MANAGER
+
+SPEC_MOUNT_DIR = "/etc/distflow"
+SPEC_FILE = "spec.yaml"
+CONFIG_PATH = f"{SPEC_MOUNT_DIR}/{SPEC_FILE}"
+"""Where a pod finds its spec (``DISTFLOW_CONFIG``)."""
+MASTER_PORT = 29500
+"""torch.distributed rendezvous port on node 0 (torchrun's default)."""
+DEFAULT_METRICS_PORT = 9400
+CONTAINER_NAME = "node"
+GPU_RESOURCE = "nvidia.com/gpu"
+
+LABEL_JOB = f"{API_GROUP}/job-name"
+LABEL_RANK = f"{API_GROUP}/node-rank"
+LABEL_ATTEMPT = f"{API_GROUP}/attempt"
+LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
+
+OPERATOR_ENV_NAMES = (
+    "PET_NNODES", "PET_NODE_RANK", "PET_NPROC_PER_NODE", "MASTER_ADDR", "MASTER_PORT",
+    "WORLD_SIZE", "DISTFLOW_JOB_NAME", "DISTFLOW_ATTEMPT", "DISTFLOW_CONFIG", "DISTFLOW_METRICS_PORT",
+)
+"""Env the operator sets on every node; spec.template.env may not set these."""
+SPEC_VOLUME = "distflow-spec"
+SHM_VOLUME = "dshm"
+RESERVED_VOLUMES = (SPEC_VOLUME, SHM_VOLUME)
+
+# Gang scheduling: (PodGroup apiVersion, default schedulerName) per batch scheduler.
+POD_GROUP_APIS = {
+    "volcano": ("scheduling.volcano.sh/v1beta1", "volcano"),
+    "scheduler-plugins": ("scheduling.x-k8s.io/v1alpha1", "scheduler-plugins-scheduler"),
+}
+
+
+@dataclass(frozen=True)
+class JobRef:
+    """The owning RLPostTrainJob: what every child's owner reference points at."""
+
+    name: str
+    namespace: str
+    uid: str
+
+    def owner_reference(self) -> dict[str, Any]:
+        # controller=true lets the garbage collector and `kubectl describe` attribute children;
+        # blockOwnerDeletion keeps foreground deletion of the job waiting for them.
+        return {"apiVersion": f"{API_GROUP}/{API_VERSION}", "kind": KIND, "name": self.name,
+                "uid": self.uid, "controller": True, "blockOwnerDeletion": True}
+
+
+def config_map_name(job: str) -> str:
+    return f"{job}-config"
+
+
+def service_name(job: str) -> str:
+    return job
+
+
+def pod_name(job: str, rank: int) -> str:
+    return f"{job}-node-{rank}"
+
+
+def master_addr(job: str, namespace: str) -> str:
+    """DNS name of node 0 through the headless Service."""
+    return f"{pod_name(job, 0)}.{service_name(job)}.{namespace}.svc"
+
+
+def metrics_port(spec: JobSpec) -> int:
+    """The node's Prometheus port: trainer.metricsPort, or 9400 when that is 0 (off locally)."""
+    return spec.trainer.metrics_port or DEFAULT_METRICS_PORT
+
+
+def job_labels(job: str, component: str) -> dict[str, str]:
+    return {
+        "app.kubernetes.io/name": "distflow",
+        "app.kubernetes.io/instance": job,
+        "app.kubernetes.io/component": component,
+        "app.kubernetes.io/part-of": "distflow",
+        LABEL_MANAGED_BY: MANAGER,
+        LABEL_JOB: job,
+    }
+
+
+def node_labels(job: str, rank: int, attempt: int) -> dict[str, str]:
+    return {**job_labels(job, "node"), LABEL_RANK: str(rank), LABEL_ATTEMPT: str(attempt)}
+
+
+def _metadata(name: str, owner: JobRef, labels: dict[str, str]) -> dict[str, Any]:
+    return {"name": name, "namespace": owner.namespace, "labels": labels,
+            "ownerReferences": [owner.owner_reference()]}
+
+
+def build_config_map(spec: JobSpec, owner: JobRef) -> dict[str, Any]:
+    """ConfigMap ``<job>-config`` holding the defaulted spec as ``spec.yaml``."""
+    text = yaml.safe_dump(dump_spec(spec), sort_keys=False)
+    return {"apiVersion": "v1", "kind": "ConfigMap",
+            "metadata": _metadata(config_map_name(owner.name), owner, job_labels(owner.name, "config")),
+            "data": {SPEC_FILE: text}}
+
+
+def build_headless_service(spec: JobSpec, owner: JobRef) -> dict[str, Any]:
+    """Headless Service ``<job>``: per-rank DNS, published before pods are ready
+    (ranks must find node 0 while they are all still starting)."""
+    port = metrics_port(spec)
+    return {
+        "apiVersion": "v1", "kind": "Service",
+        "metadata": _metadata(service_name(owner.name), owner, job_labels(owner.name, "rendezvous")),
+        "spec": {
+            "clusterIP": "None",
+            "publishNotReadyAddresses": True,
+            "selector": {LABEL_JOB: owner.name, LABEL_MANAGED_BY: MANAGER},
+            "ports": [{"name": "rendezvous", "port": MASTER_PORT, "targetPort": MASTER_PORT},
+                      {"name": "metrics", "port": port, "targetPort": port}],
+        },
+    }
+
+
+def build_pod_group(spec: JobSpec, owner: JobRef) -> dict[str, Any] | None:
+    """PodGroup ``<job>`` for Volcano or scheduler-plugins coscheduling; None without a batch scheduler.
+
+    minMember = cluster.numNodes: the scheduler binds all node pods or none.
+    """
+    sched = spec.scheduling
+    if sched.batch_scheduler == "none":
+        return None
+    api_version, _ = POD_GROUP_APIS[sched.batch_scheduler]
+    group_spec: dict[str, Any] = {"minMember": spec.cluster.num_nodes}
+    gpus = spec.cluster.accelerators_per_node * spec.cluster.num_nodes
+    if gpus:
+        group_spec["minResources"] = {GPU_RESOURCE: str(gpus)}
+    if sched.batch_scheduler == "volcano":
+        if sched.queue:
+            group_spec["queue"] = sched.queue
+        if sched.priority_class_name:
+            group_spec["priorityClassName"] = sched.priority_class_name
+    return {"apiVersion": api_version, "kind": "PodGroup",
+            "metadata": _metadata(owner.name, owner, job_labels(owner.name, "podgroup")),
+            "spec": group_spec}
+
+
+def _env_problems(spec: JobSpec) -> list[str]:
+    problems = []
+    for i, item in enumerate(spec.template.env):
+        name = item.get("name")
+        if not isinstance(name, str) or not name:
+            problems.append(f"spec.template.env[{i}].name: each env entry needs a name; add one")
+        elif name in OPERATOR_ENV_NAMES:
+            problems.append(f"spec.template.env[{i}].name: {name} is set by the operator "
+                            f"(rank variables: {', '.join(OPERATOR_ENV_NAMES)}); remove it")
+    return problems
+
+
+def _volume_problems(spec: JobSpec) -> list[str]:
+    problems = []
+    for field, items in (("volumes", spec.template.volumes), ("volumeMounts", spec.template.volume_mounts)):
+        for i, item in enumerate(items):
+            if item.get("name") in RESERVED_VOLUMES:
+                problems.append(f"spec.template.{field}[{i}].name: {item['name']} is used by the "
+                                f"operator; pick another name")
+    return problems
+
+
+def _resource_problems(spec: JobSpec) -> list[str]:
+    problems = []
+    for kind in ("requests", "limits"):
+        section = spec.template.resources.get(kind)
+        if section is not None and not isinstance(section, dict):
+            problems.append(f"spec.template.resources.{kind}: expected a mapping of resource -> quantity")
+        elif section and GPU_RESOURCE in section:
+            problems.append(f"spec.template.resources.{kind}.{GPU_RESOURCE}: set "
+                            f"spec.cluster.acceleratorsPerNode instead; the operator adds it")
+    return problems
+
+
+def template_problems(spec: JobSpec) -> list[str]:
+    """Problems in spec.template that make the pods impossible to render, each naming its field."""
+    return _env_problems(spec) + _volume_problems(spec) + _resource_problems(spec)
+
+
+def _node_env(spec: JobSpec, owner: JobRef, rank: int, attempt: int) -> list[dict[str, str]]:
+    values = {
+        "PET_NNODES": spec.cluster.num_nodes,
+        "PET_NODE_RANK": rank,
+        "PET_NPROC_PER_NODE": spec.cluster.procs_per_node,
+        "MASTER_ADDR": master_addr(owner.name, owner.namespace),
+        "MASTER_PORT": MASTER_PORT,
+        # torchrun's meaning: worker processes in the whole job, not pods.
+        "WORLD_SIZE": spec.world_size,
+        "DISTFLOW_JOB_NAME": owner.name,
+        "DISTFLOW_ATTEMPT": attempt,
+        "DISTFLOW_CONFIG": CONFIG_PATH,
+        "DISTFLOW_METRICS_PORT": metrics_port(spec),
+    }
+    assert tuple(values) == OPERATOR_ENV_NAMES
+    return [{"name": k, "value": str(v)} for k, v in values.items()]
+
+
+def _resources(spec: JobSpec) -> dict[str, Any]:
+    resources = copy.deepcopy(spec.template.resources)
+    gpus = spec.cluster.accelerators_per_node
+    if gpus:
+        for kind in ("requests", "limits"):
+            resources.setdefault(kind, {})[GPU_RESOURCE] = str(gpus)
+    return resources
+
+
+def _container(spec: JobSpec, owner: JobRef, rank: int, attempt: int) -> dict[str, Any]:
+    tpl = spec.template
+    port = metrics_port(spec)
+    return {
+        "name": CONTAINER_NAME,
+        "image": tpl.image,
+        "imagePullPolicy": tpl.image_pull_policy,
+        "command": ["distflow", "node", "--config", CONFIG_PATH],
+        "env": _node_env(spec, owner, rank, attempt) + copy.deepcopy(tpl.env),
+        "ports": [{"name": "metrics", "containerPort": port, "protocol": "TCP"},
+                  {"name": "rendezvous", "containerPort": MASTER_PORT, "protocol": "TCP"}],
+        "resources": _resources(spec),
+        "volumeMounts": [{"name": SPEC_VOLUME, "mountPath": SPEC_MOUNT_DIR, "readOnly": True},
+                         {"name": SHM_VOLUME, "mountPath": "/dev/shm"}]
+                        + copy.deepcopy(tpl.volume_mounts),
+        # Ready = the node's metrics endpoint answers, i.e. its runtime is up.
+        "readinessProbe": {"httpGet": {"path": "/metrics", "port": "metrics"},
+                           "periodSeconds": 10, "failureThreshold": 3},
+        # `distflow node` writes its exit reason here; the operator reads it without pod logs rights.
+        "terminationMessagePolicy": "FallbackToLogsOnError",
+    }
+
+
+def _scheduling_fields(spec: JobSpec, owner: JobRef) -> tuple[dict[str, Any], dict[str, str], dict[str, str]]:
+    """(pod spec fields, extra labels, annotations) for the scheduler and gang scheduling."""
+    sched = spec.scheduling
+    fields: dict[str, Any] = {}
+    labels: dict[str, str] = {}
+    annotations: dict[str, str] = {}
+    if sched.batch_scheduler != "none":
+        fields["schedulerName"] = POD_GROUP_APIS[sched.batch_scheduler][1]
+        if sched.batch_scheduler == "volcano":
+            annotations["scheduling.k8s.io/group-name"] = owner.name
+        else:
+            labels["scheduling.x-k8s.io/pod-group"] = owner.name
+    if sched.scheduler_name:
+        fields["schedulerName"] = sched.scheduler_name
+    if sched.priority_class_name:
+        fields["priorityClassName"] = sched.priority_class_name
+    return fields, labels, annotations
+
+
+def build_node_pod(spec: JobSpec, owner: JobRef, rank: int, attempt: int) -> dict[str, Any]:
+    """Pod ``<job>-node-<rank>`` of gang attempt ``attempt`` (1-based).
+
+    Raises:
+        DistflowConfigError: spec.template sets an operator env name, a reserved
+            volume name, or nvidia.com/gpu (see :func:`template_problems`).
+    """
+    assert 0 <= rank < spec.cluster.num_nodes and attempt >= 1
+    problems = template_problems(spec)
+    if problems:
+        raise DistflowConfigError(problems)
+    tpl = spec.template
+    name = pod_name(owner.name, rank)
+    sched_fields, extra_labels, annotations = _scheduling_fields(spec, owner)
+    metadata = _metadata(name, owner, {**node_labels(owner.name, rank, attempt), **extra_labels})
+    if annotations:
+        metadata["annotations"] = annotations
+    pod_spec: dict[str, Any] = {
+        "hostname": name,
+        "subdomain": service_name(owner.name),
+        # A failed node fails the gang; the operator, not the kubelet, restarts it.
+        "restartPolicy": "Never",
+        # Hundreds of service env vars per pod help nobody and slow startup.
+        "enableServiceLinks": False,
+        "containers": [_container(spec, owner, rank, attempt)],
+        "volumes": [{"name": SPEC_VOLUME, "configMap": {"name": config_map_name(owner.name)}},
+                    {"name": SHM_VOLUME, "emptyDir": {"medium": "Memory"}}]
+                   + copy.deepcopy(tpl.volumes),
+        **sched_fields,
+    }
+    if tpl.service_account_name:
+        pod_spec["serviceAccountName"] = tpl.service_account_name
+    else:
+        # Nodes need no API access (progress is scraped from them), so they get no token.
+        pod_spec["automountServiceAccountToken"] = False
+    for key, value in (("nodeSelector", tpl.node_selector), ("tolerations", tpl.tolerations),
+                       ("affinity", tpl.affinity)):
+        if value:
+            pod_spec[key] = copy.deepcopy(value)
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": metadata, "spec": pod_spec}

@@ -1,0 +1,218 @@
+"""The job's status, computed purely from the run-policy decision and the observed pods.
+
+Phases::
+
+    Pending ──> Starting ──> Running ──> Succeeded
+       ^            │           │
+       │            v           v
+       └──────── Restarting <───┘ (a node failed; the gang restarts)     Failed: terminal
+    Suspended: runPolicy.suspend (any non-terminal phase)
+
+- Pending: some node pods are missing or not scheduled yet.
+- Starting: every node pod is scheduled, not all of them run yet.
+- Running: every node pod runs (or has already exited 0).
+- Restarting: from a gang restart until the new attempt runs on every node.
+
+Conditions follow ``metav1.Condition``: all five types are always present
+(``kubectl wait --for=condition=Succeeded`` works from the start); a
+condition's ``lastTransitionTime`` moves only when its status flips.
+``status`` is written only when it changed, so a steady job costs no writes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from datetime import datetime
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+from pydantic.alias_generators import to_camel
+
+from distflow_operator.observed import JobView, PodView, format_time
+from distflow_operator.policy import Decision
+
+PHASES = ("Pending", "Starting", "Running", "Restarting", "Succeeded", "Failed", "Suspended")
+CONDITION_TYPES = ("Ready", "Restarting", "Suspended", "Succeeded", "Failed")
+
+
+class _Status(BaseModel):
+    model_config = ConfigDict(alias_generator=to_camel, validate_by_name=True, validate_by_alias=True,
+                              serialize_by_alias=True, use_attribute_docstrings=True, extra="forbid")
+
+
+class Condition(_Status):
+    type: str
+    """Ready, Restarting, Suspended, Succeeded or Failed."""
+    status: Literal["True", "False", "Unknown"]
+    reason: str = Field(min_length=1)
+    """CamelCase reason of the last change."""
+    message: str = ""
+    last_transition_time: str
+    """When status last flipped (RFC 3339)."""
+    observed_generation: int
+    """metadata.generation this condition was computed from."""
+
+
+class Progress(_Status):
+    step: int | None = None
+    """Last finished training step, from node 0's metrics."""
+    total_steps: int | None = None
+    """spec.trainer.totalSteps."""
+    tokens_per_second: float | None = None
+    """Throughput reported by node 0 (tokens/s)."""
+    last_checkpoint_step: int | None = None
+    """Step of the newest complete checkpoint."""
+
+
+class JobStatus(_Status):
+    """Status of an RLPostTrainJob, written by the operator only."""
+
+    phase: Literal["Pending", "Starting", "Running", "Restarting", "Succeeded", "Failed", "Suspended"]
+    """Pending, Starting, Running, Restarting, Succeeded, Failed or Suspended."""
+    reason: str | None = None
+    """Why the job is in its phase (CamelCase), e.g. MaxRestartsExceeded."""
+    message: str | None = None
+    """Human-readable detail of reason."""
+    observed_generation: int | None = None
+    """metadata.generation the status was computed from."""
+    attempt: int = 1
+    """Gang attempt: every node pod carries label distflow.io/attempt with it."""
+    restarts: int = 0
+    """Gang restarts after failures."""
+    desired_nodes: int = 0
+    """spec.cluster.numNodes."""
+    ready_nodes: int = 0
+    """Node pods of the current attempt that are Ready."""
+    nodes: str = "0/0"
+    """ready/desired, for kubectl get."""
+    start_time: str | None = None
+    """When the current run's pods were first created."""
+    completion_time: str | None = None
+    """When the job finished."""
+    last_restart_time: str | None = None
+    """When the last gang restart was decided."""
+    progress: Progress | None = None
+    """Training progress scraped from node 0."""
+    conditions: list[Condition] = Field(default_factory=list)
+    """metav1.Condition-style conditions, one per type."""
+
+
+def _phase(job: JobView, decision: Decision, desired: int, running: int, scheduled: int) -> str:
+    if decision.terminal:
+        return decision.terminal.phase
+    if decision.suspended:
+        return "Suspended"
+    if decision.restart or (job.status.get("phase") == "Restarting" and running < desired):
+        return "Restarting"
+    if desired and running == desired:
+        return "Running"
+    if desired and scheduled == desired:
+        return "Starting"
+    return "Pending"
+
+
+def _explain(job: JobView, decision: Decision, phase: str, counts: tuple[int, int, int]) -> tuple[str, str]:
+    """(reason, message) of the phase."""
+    desired, running, scheduled = counts
+    outcome = decision.terminal or decision.restart
+    if outcome:
+        return outcome.reason, outcome.message
+    if phase == "Restarting":
+        return job.status.get("reason") or "NodeFailed", job.status.get("message") or ""
+    return {
+        "Suspended": ("Suspended", "runPolicy.suspend is true; node pods deleted"),
+        "Running": ("AllNodesRunning", f"{desired}/{desired} nodes running"),
+        "Starting": ("NodesStarting", f"{running}/{desired} nodes running"),
+        "Pending": ("NodesPending", f"{scheduled}/{desired} nodes scheduled"),
+    }[phase]
+
+
+def _condition(prev: Mapping[str, Mapping[str, Any]], ctype: str, true: bool, reason: str,
+               message: str, generation: int, now: str) -> dict[str, Any]:
+    status = "True" if true else "False"
+    old = prev.get(ctype) or {}
+    since = old.get("lastTransitionTime") if old.get("status") == status else None
+    return Condition(type=ctype, status=status, reason=reason, message=message,
+                     last_transition_time=since or now, observed_generation=generation
+                     ).model_dump(exclude_none=True)
+
+
+def _conditions(job: JobView, phase: str, reason: str, message: str, ready: int, desired: int,
+                now: datetime) -> list[dict[str, Any]]:
+    prev = {c.get("type"): c for c in job.status.get("conditions") or []}
+    stamp = format_time(now)
+    all_ready = phase == "Running" and ready == desired
+    truth = {"Ready": all_ready, "Restarting": phase == "Restarting", "Suspended": phase == "Suspended",
+             "Succeeded": phase == "Succeeded", "Failed": phase == "Failed"}
+    out = []
+    for ctype in CONDITION_TYPES:
+        if ctype == "Ready":
+            why = ("AllNodesReady" if all_ready else "NodesNotReady", f"{ready}/{desired} nodes ready")
+        else:
+            why = (reason, message) if truth[ctype] else (phase, "")
+        out.append(_condition(prev, ctype, truth[ctype], why[0], why[1], job.generation, stamp))
+    return out
+
+
+def _progress(job: JobView, scraped: Mapping[str, Any] | None) -> dict[str, Any] | None:
+    merged = dict(job.status.get("progress") or {})
+    merged.update({k: v for k, v in (scraped or {}).items() if v is not None})
+    if job.spec is not None:
+        merged["totalSteps"] = job.spec.trainer.total_steps
+    return Progress.model_validate(merged).model_dump(exclude_none=True) if merged else None
+
+
+def compute_status(job: JobView, pods: Sequence[PodView], decision: Decision, now: datetime,
+                   scraped: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """The job's new status (camelCase mapping, as written to the API).
+
+    Args:
+        pods: the job's observed node pods.
+        scraped: progress fields read from node 0 (step, tokensPerSecond, lastCheckpointStep)
+            or None; earlier progress is kept when None.
+    """
+    state = decision.state
+    desired = job.spec.cluster.num_nodes if job.spec else 0
+    current = [p for p in pods if p.attempt == state.attempt and not p.deleting]
+    running = sum(p.phase in ("Running", "Succeeded") for p in current)
+    scheduled = sum(p.scheduled or p.phase != "Pending" for p in current)
+    ready = sum(p.ready for p in current)
+    phase = _phase(job, decision, desired, running, scheduled)
+    reason, message = _explain(job, decision, phase, (desired, running, scheduled))
+    status = JobStatus(
+        phase=phase, reason=reason, message=message, observed_generation=job.generation,
+        attempt=state.attempt, restarts=state.restarts, desired_nodes=desired, ready_nodes=ready,
+        nodes=f"{ready}/{desired}",
+        start_time=format_time(state.start_time) if state.start_time else None,
+        completion_time=format_time(state.completion_time) if state.completion_time else None,
+        last_restart_time=format_time(state.last_restart_time) if state.last_restart_time else None,
+        progress=_progress(job, scraped),
+        conditions=_conditions(job, phase, reason, message, ready, desired, now),
+    )
+    return status.model_dump(exclude_none=True)
+
+
+def status_patch(old: Mapping[str, Any], new: Mapping[str, Any]) -> dict[str, Any]:
+    """JSON merge patch turning status ``old`` into ``new`` (removed keys become null)."""
+    patch: dict[str, Any] = {k: None for k in old if k not in new}
+    patch.update({k: v for k, v in new.items() if old.get(k) != v})
+    return patch
+
+
+def transition_events(old: Mapping[str, Any], new: Mapping[str, Any]) -> list[tuple[str, str, str]]:
+    """(type, reason, message) events worth recording for a status change: restarts and
+    phase changes users act on (Pending/Starting churn is left to the status)."""
+    events = []
+    reason, message = new.get("reason") or new["phase"], new.get("message") or ""
+    if (new.get("restarts") or 0) > (old.get("restarts") or 0):
+        events.append(("Warning", reason, message))
+    phase, before = new["phase"], old.get("phase")
+    if phase == before:
+        return events
+    if before == "Suspended":
+        events.append(("Normal", "Resumed", "runPolicy.suspend is false; recreating node pods"))
+    if phase == "Failed":
+        events.append(("Warning", reason, message))
+    elif phase in ("Running", "Succeeded", "Suspended"):
+        events.append(("Normal", reason, message))
+    return events

@@ -1,0 +1,91 @@
+"""Shared pytest plumbing: tier markers' run rules and the control plane fixtures.
+
+Markers are declared in pyproject.toml. Here: `bench` tests run only when the
+-m expression names bench; `gpu` tests skip without CUDA; `control_plane`
+builds (cached) and starts a real control plane once per session, lazily, so
+tests that do not ask for it never trigger a build.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if "bench" not in (config.getoption("markexpr") or ""):
+        skip_bench = pytest.mark.skip(reason="benchmark: run with -m bench")
+        for item in items:
+            if "bench" in item.keywords:
+                item.add_marker(skip_bench)
+    gpu_items = [item for item in items if "gpu" in item.keywords]
+    if gpu_items and not _cuda_available():
+        skip_gpu = pytest.mark.skip(reason="needs CUDA (torch.cuda.is_available() is False)")
+        for item in gpu_items:
+            item.add_marker(skip_gpu)
+
+
+def _cuda_available() -> bool:
+    try:
+        import torch
+    except ImportError:
+        return False
+    return bool(torch.cuda.is_available())
+
+
+@pytest.fixture(scope="session")
+def control_plane_bin_dir() -> Path:
+    """Directory with the control plane binaries.
+
+    DISTFLOW_CONTROLPLANE_BIN points at prebuilt binaries; otherwise build.sh
+    runs (a no-op when cached). Skips, naming the missing binaries, only when
+    the binaries cannot be had.
+    """
+    from tests.controlplane import cluster
+
+    prebuilt = os.environ.get("DISTFLOW_CONTROLPLANE_BIN")
+    if prebuilt:
+        bin_dir, why = Path(prebuilt), "DISTFLOW_CONTROLPLANE_BIN"
+    else:
+        try:
+            bin_dir, why = cluster.build_binaries(), "build.sh"
+        except (cluster.ControlPlaneError, OSError) as err:
+            bin_dir, why = None, f"build.sh failed: {err}"
+    missing = cluster.missing_binaries(bin_dir)
+    if missing:
+        pytest.skip(f"control plane binaries missing: {', '.join(missing)} ({why})")
+    return bin_dir
+
+
+@pytest.fixture(scope="session")
+def control_plane(control_plane_bin_dir: Path):
+    """A running ControlPlane (2 fake GPU nodes, kwok marks pods Running)."""
+    from tests.controlplane.cluster import ControlPlane
+
+    with ControlPlane(control_plane_bin_dir, nodes=2) as cp:
+        yield cp
+
+
+@pytest.fixture
+def k8s_namespace(control_plane, request: pytest.FixtureRequest) -> str:
+    """A fresh namespace for one test, with its default ServiceAccount present;
+    deleted (without waiting) afterwards."""
+    stem = re.sub(r"[^a-z0-9-]+", "-", request.node.name.lower()).strip("-")[:40].strip("-")
+    name = f"{stem}-{uuid.uuid4().hex[:6]}"
+    control_plane.request("POST", "/api/v1/namespaces",
+                          {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": name}},
+                          expect=(201,))
+    deadline = time.monotonic() + 30
+    # Pods are rejected until the controller-manager has made "default".
+    while control_plane.request(
+            "GET", f"/api/v1/namespaces/{name}/serviceaccounts/default")[0] != 200:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"namespace {name}: default ServiceAccount never appeared")
+        time.sleep(0.1)
+    yield name
+    control_plane.request("DELETE", f"/api/v1/namespaces/{name}")

@@ -1,0 +1,1 @@
+"""Test control plane: real kube-apiserver, etcd, controllers and kwok."""

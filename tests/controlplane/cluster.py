@@ -1,0 +1,428 @@
+"""A real Kubernetes control plane for the operator and e2e test tiers.
+
+etcd, kube-apiserver, kube-controller-manager, kube-scheduler and kwok run as
+local processes built from pinned Go modules (see build.sh, versions.env);
+kwok turns annotated Node objects into fake GPU nodes and moves bound pods
+from Pending to Running. No containers run: tests (or the e2e harness) write
+terminal pod phases themselves with :meth:`ControlPlane.set_pod_phase`.
+
+Approach after envtest (controller-runtime) and kwok's own kwokctl "binary"
+runtime; see the repository's testbed notes.
+"""
+
+from __future__ import annotations
+
+import atexit
+import base64
+import json
+import os
+import shutil
+import signal
+import socket
+import ssl
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+HERE = Path(__file__).resolve().parent
+BUILD_SCRIPT = HERE / "build.sh"
+KWOK_STAGES = HERE / "kwok-stages.yaml"
+REQUIRED_BINARIES = ("etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler", "kwok")
+KWOK_NODE_ANNOTATION = ("kwok.x-k8s.io/node", "fake")
+SERVICE_CIDR = "10.96.0.0/16"
+KUBECTL = shutil.which("kubectl") or "/usr/bin/kubectl"
+TERMINAL_EXIT_CODES = {"Succeeded": 0, "Failed": 1}
+
+
+class ControlPlaneError(RuntimeError):
+    """A component did not start; the message carries the tail of its log."""
+
+
+def build_binaries(timeout_s: float = 3600.0) -> Path:
+    """Run build.sh (a no-op when its cache is warm) and return the bin dir.
+
+    Raises:
+        ControlPlaneError: the build failed; the message has its output tail.
+    """
+    proc = subprocess.run(["bash", str(BUILD_SCRIPT)], capture_output=True, text=True,
+                          timeout=timeout_s, check=False)
+    lines = proc.stdout.strip().splitlines()
+    if proc.returncode != 0 or not lines:
+        tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-30:])
+        raise ControlPlaneError(f"build.sh failed (exit {proc.returncode}):\n{tail}")
+    return Path(lines[-1])
+
+
+def missing_binaries(bin_dir: Path | None) -> list[str]:
+    """Names from REQUIRED_BINARIES that are not executable files in bin_dir."""
+    if bin_dir is None:
+        return list(REQUIRED_BINARIES)
+    return [b for b in REQUIRED_BINARIES if not os.access(Path(bin_dir) / b, os.X_OK)]
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _die_with_parent() -> None:
+    # Children get SIGTERM if the test process dies without running stop().
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+def _openssl(*args: str, cwd: Path) -> None:
+    subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True)
+
+
+def generate_pki(directory: Path) -> None:
+    """Write ca.{crt,key}, apiserver.{crt,key} (CA-signed, SANs for 127.0.0.1)
+    and the service-account key pair sa.{key,pub}; all EC P-256 (fast to make).
+
+    Raises:
+        subprocess.CalledProcessError: openssl failed.
+    """
+    ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
+    _openssl("req", "-x509", *ec, "-keyout", "ca.key", "-out", "ca.crt", "-days", "3650",
+             "-subj", "/CN=distflow-test-ca", cwd=directory)
+    _openssl("req", "-new", *ec, "-keyout", "apiserver.key", "-out", "apiserver.csr",
+             "-subj", "/CN=kube-apiserver", cwd=directory)
+    (directory / "apiserver.ext").write_text(
+        "basicConstraints=CA:FALSE\nkeyUsage=digitalSignature,keyEncipherment\n"
+        "extendedKeyUsage=serverAuth\nsubjectKeyIdentifier=hash\nauthorityKeyIdentifier=keyid\n"
+        "subjectAltName=IP:127.0.0.1,IP:10.96.0.1,DNS:localhost,DNS:kubernetes,"
+        "DNS:kubernetes.default,DNS:kubernetes.default.svc\n")
+    _openssl("x509", "-req", "-in", "apiserver.csr", "-CA", "ca.crt", "-CAkey", "ca.key",
+             "-set_serial", "2", "-days", "3650", "-extfile", "apiserver.ext",
+             "-out", "apiserver.crt", cwd=directory)
+    _openssl("ecparam", "-name", "prime256v1", "-genkey", "-noout", "-out", "sa.key", cwd=directory)
+    _openssl("ec", "-in", "sa.key", "-pubout", "-out", "sa.pub", cwd=directory)
+
+
+def kubeconfig_text(server: str, ca_file: Path, token: str, user: str = "admin") -> str:
+    """A kubeconfig (YAML) for one cluster, one token user, one context."""
+    ca = base64.b64encode(Path(ca_file).read_bytes()).decode()
+    return yaml.safe_dump({
+        "apiVersion": "v1", "kind": "Config", "current-context": "distflow-test",
+        "clusters": [{"name": "distflow-test",
+                      "cluster": {"server": server, "certificate-authority-data": ca}}],
+        "users": [{"name": user, "user": {"token": token}}],
+        "contexts": [{"name": "distflow-test",
+                      "context": {"cluster": "distflow-test", "user": user}}],
+    })
+
+
+def fake_node(name: str, gpus: int = 8) -> dict[str, Any]:
+    """A Node object kwok manages: 64 CPU, 512Gi, 110 pods, `gpus` nvidia.com/gpu."""
+    resources = {"cpu": "64", "memory": "512Gi", "pods": "110", "nvidia.com/gpu": str(gpus)}
+    return {
+        "apiVersion": "v1", "kind": "Node",
+        "metadata": {"name": name, "annotations": dict([KWOK_NODE_ANNOTATION]),
+                     "labels": {"type": "kwok", "kubernetes.io/hostname": name,
+                                "kubernetes.io/os": "linux", "kubernetes.io/arch": "amd64"}},
+        "status": {"allocatable": resources, "capacity": resources},
+    }
+
+
+class ControlPlane:
+    """etcd + kube-apiserver + controller-manager + scheduler + kwok on 127.0.0.1.
+
+    Use as a context manager; on exit every process it started is stopped by
+    pid (SIGTERM, then SIGKILL after `stop_timeout_s`) and its work dir removed
+    (kept when DISTFLOW_KEEP_CONTROLPLANE=1). Component logs are
+    `<workdir>/<component>.log`.
+
+    Args:
+        bin_dir: directory holding REQUIRED_BINARIES (see build_binaries).
+        nodes: number of fake kwok nodes `kwok-node-<i>` to create.
+        pods_become_running: when False, kwok leaves pod phases alone except
+            for deleting terminating pods, so a harness sets every phase.
+        start_timeout_s: seconds each component may take to become ready.
+
+    Raises:
+        ControlPlaneError: from start(), a component exited or was not ready in
+            time; the message has its log tail and the work dir.
+    """
+
+    def __init__(self, bin_dir: str | Path, *, nodes: int = 2, pods_become_running: bool = True,
+                 start_timeout_s: float = 60.0, stop_timeout_s: float = 10.0) -> None:
+        missing = missing_binaries(Path(bin_dir))
+        if missing:
+            raise ValueError(f"bin_dir {bin_dir} lacks {missing}; run {BUILD_SCRIPT} first")
+        self.bin_dir = Path(bin_dir)
+        self.node_names = [f"kwok-node-{i}" for i in range(nodes)]
+        self.pods_become_running = pods_become_running
+        self.start_timeout_s = start_timeout_s
+        self.stop_timeout_s = stop_timeout_s
+        self.workdir: Path | None = None
+        self.token = base64.b32encode(os.urandom(20)).decode().lower()
+        self.server = ""
+        self.kubeconfig = Path()
+        self.ca_file = Path()
+        self._procs: list[tuple[str, subprocess.Popen, Path]] = []
+        self._ssl: ssl.SSLContext | None = None
+
+    def __enter__(self) -> "ControlPlane":
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    # -- lifecycle -------------------------------------------------------
+
+    def start(self) -> "ControlPlane":
+        """Start all components, create the fake nodes, wait until they are Ready."""
+        self.workdir = Path(tempfile.mkdtemp(prefix="distflow-cp-"))
+        atexit.register(self.stop)
+        try:
+            generate_pki(self.workdir)
+            self.ca_file = self.workdir / "ca.crt"
+            self._ssl = ssl.create_default_context(cafile=str(self.ca_file))
+            self._start_etcd()
+            self._start_apiserver()
+            self._start_controllers()
+            for name in self.node_names:
+                self.request("POST", "/api/v1/nodes", fake_node(name), expect=(201,))
+            self._wait_nodes_ready()
+        except BaseException:
+            self.stop(keep_workdir=True)
+            raise
+        return self
+
+    def stop(self, keep_workdir: bool = False) -> None:
+        """Stop every started process by pid, newest first; idempotent."""
+        for name, proc, _ in reversed(self._procs):
+            if proc.poll() is None:
+                proc.terminate()
+        deadline = time.monotonic() + self.stop_timeout_s
+        for name, proc, _ in reversed(self._procs):
+            try:
+                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        self._procs.clear()
+        keep = keep_workdir or os.environ.get("DISTFLOW_KEEP_CONTROLPLANE") == "1"
+        if self.workdir is not None and not keep:
+            shutil.rmtree(self.workdir, ignore_errors=True)
+            self.workdir = None
+
+    def _spawn(self, name: str, args: list[str]) -> subprocess.Popen:
+        assert self.workdir is not None
+        log_path = self.workdir / f"{name}.log"
+        with open(log_path, "wb") as log:
+            proc = subprocess.Popen([str(self.bin_dir / name), *args], stdout=log,
+                                    stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                    cwd=self.workdir, preexec_fn=_die_with_parent)
+        self._procs.append((name, proc, log_path))
+        return proc
+
+    def _fail(self, name: str, why: str) -> ControlPlaneError:
+        log = self.workdir / f"{name}.log" if self.workdir else None
+        tail = ""
+        if log is not None and log.exists():
+            tail = "\n".join(log.read_text(errors="replace").splitlines()[-40:])
+        return ControlPlaneError(f"{name} {why} (work dir {self.workdir}); log tail:\n{tail}")
+
+    def _wait(self, name: str, ready, timeout_s: float | None = None) -> None:
+        deadline = time.monotonic() + (timeout_s or self.start_timeout_s)
+        while time.monotonic() < deadline:
+            for started, proc, _ in self._procs:
+                if proc.poll() is not None:
+                    raise self._fail(started, f"exited with code {proc.returncode}")
+            try:
+                if ready():
+                    return
+            except (OSError, urllib.error.URLError, ssl.SSLError):
+                pass
+            time.sleep(0.1)
+        raise self._fail(name, f"not ready after {timeout_s or self.start_timeout_s:.0f} s")
+
+    # -- components ------------------------------------------------------
+
+    def _start_etcd(self) -> None:
+        client, peer = f"http://127.0.0.1:{free_port()}", f"http://127.0.0.1:{free_port()}"
+        self._spawn("etcd", [
+            "--name=default", f"--data-dir={self.workdir / 'etcd-data'}",
+            f"--listen-client-urls={client}", f"--advertise-client-urls={client}",
+            f"--listen-peer-urls={peer}", f"--initial-advertise-peer-urls={peer}",
+            f"--initial-cluster=default={peer}", "--unsafe-no-fsync", "--log-level=warn",
+            "--quota-backend-bytes=2147483648",
+        ])
+        self._etcd_url = client
+
+        def healthy() -> bool:
+            with urllib.request.urlopen(f"{client}/health", timeout=2) as r:
+                return json.load(r).get("health") == "true"
+
+        self._wait("etcd", healthy)
+
+    def _start_apiserver(self) -> None:
+        assert self.workdir is not None
+        port = free_port()
+        self.server = f"https://127.0.0.1:{port}"
+        (self.workdir / "tokens.csv").write_text(f'{self.token},admin,admin-uid,"system:masters"\n')
+        w = self.workdir
+        self._spawn("kube-apiserver", [
+            f"--etcd-servers={self._etcd_url}", "--bind-address=127.0.0.1",
+            "--advertise-address=127.0.0.1", f"--secure-port={port}",
+            f"--tls-cert-file={w / 'apiserver.crt'}", f"--tls-private-key-file={w / 'apiserver.key'}",
+            f"--client-ca-file={w / 'ca.crt'}",
+            "--service-account-issuer=https://kubernetes.default.svc.cluster.local",
+            f"--service-account-key-file={w / 'sa.pub'}",
+            f"--service-account-signing-key-file={w / 'sa.key'}",
+            f"--token-auth-file={w / 'tokens.csv'}", "--authorization-mode=Node,RBAC",
+            f"--service-cluster-ip-range={SERVICE_CIDR}", "--allow-privileged=true",
+            "--v=1",
+        ])
+        self.kubeconfig = self.workdir / "admin.kubeconfig"
+        self.kubeconfig.write_text(kubeconfig_text(self.server, self.ca_file, self.token))
+        self._wait("kube-apiserver", lambda: self.request("GET", "/readyz")[0] == 200)
+
+    def _start_controllers(self) -> None:
+        assert self.workdir is not None
+        w, kc = self.workdir, f"--kubeconfig={self.kubeconfig}"
+        # secure-port=0: no serving endpoints, so no port clashes and no
+        # delegated-authn lookups; the tests never scrape these components.
+        self._spawn("kube-controller-manager", [
+            kc, "--leader-elect=false", "--secure-port=0", "--controllers=*",
+            f"--service-account-private-key-file={w / 'sa.key'}", f"--root-ca-file={w / 'ca.crt'}",
+            f"--service-cluster-ip-range={SERVICE_CIDR}", "--v=1",
+        ])
+        self._spawn("kube-scheduler", [kc, "--leader-elect=false", "--secure-port=0", "--v=1"])
+        stages = [s for s in yaml.safe_load_all(KWOK_STAGES.read_text())
+                  if self.pods_become_running or s["metadata"]["name"] != "pod-ready"]
+        (w / "kwok.yaml").write_text(yaml.safe_dump_all(stages))
+        key, value = KWOK_NODE_ANNOTATION
+        self._spawn("kwok", [
+            kc, f"--config={w / 'kwok.yaml'}", "--manage-all-nodes=false",
+            f"--manage-nodes-with-annotation-selector={key}={value}",
+            "--node-lease-duration-seconds=40",
+        ])
+
+    def _wait_nodes_ready(self) -> None:
+        def all_ready() -> bool:
+            _, body = self.request("GET", "/api/v1/nodes?labelSelector=type%3Dkwok")
+            ready = {n["metadata"]["name"] for n in body.get("items", [])
+                     if any(c["type"] == "Ready" and c["status"] == "True"
+                            for c in n.get("status", {}).get("conditions", []))}
+            return ready >= set(self.node_names)
+
+        self._wait("kwok", all_ready)
+
+    # -- clients ---------------------------------------------------------
+
+    def request(self, method: str, path: str, body: Any = None, *, token: str | None = None,
+                content_type: str = "application/json",
+                expect: tuple[int, ...] | None = None) -> tuple[int, dict[str, Any]]:
+        """One API call; returns (HTTP status, decoded JSON body or {}).
+
+        Args:
+            path: API path with query, e.g. "/api/v1/namespaces/ns/pods".
+            token: bearer token; the admin token when None.
+            content_type: e.g. "application/merge-patch+json" for PATCH.
+            expect: statuses that count as success; others raise.
+
+        Raises:
+            ControlPlaneError: status not in `expect`.
+        """
+        data = None if body is None else json.dumps(body).encode()
+        req = urllib.request.Request(self.server + path, data=data, method=method, headers={
+            "Authorization": f"Bearer {token or self.token}", "Content-Type": content_type,
+            "Accept": "application/json"})
+        try:
+            with urllib.request.urlopen(req, context=self._ssl, timeout=30) as resp:
+                status, raw = resp.status, resp.read()
+        except urllib.error.HTTPError as err:
+            status, raw = err.code, err.read()
+        try:
+            decoded = json.loads(raw) if raw else {}
+        except ValueError:
+            decoded = {"raw": raw.decode(errors="replace")}
+        if expect is not None and status not in expect:
+            raise ControlPlaneError(f"{method} {path} -> {status}: {decoded}")
+        return status, decoded
+
+    def kubectl(self, *args: str, token: str | None = None, input: str | None = None,
+                check: bool = False, timeout_s: float = 60.0) -> subprocess.CompletedProcess:
+        """Run kubectl against this cluster (admin unless `token`); text output."""
+        cmd = [KUBECTL, f"--kubeconfig={self.kubeconfig}", *args]
+        if token is not None:
+            cmd.insert(2, f"--token={token}")
+        return subprocess.run(cmd, input=input, capture_output=True, text=True,
+                              check=check, timeout=timeout_s)
+
+    def make_token_for_serviceaccount(self, namespace: str, name: str,
+                                      expiration_seconds: int = 3600) -> str:
+        """A bound token for ServiceAccount namespace/name via the TokenRequest API.
+
+        Raises:
+            ControlPlaneError: the ServiceAccount does not exist (404) or the call failed.
+        """
+        _, body = self.request(
+            "POST", f"/api/v1/namespaces/{namespace}/serviceaccounts/{name}/token",
+            {"apiVersion": "authentication.k8s.io/v1", "kind": "TokenRequest",
+             "spec": {"expirationSeconds": expiration_seconds}}, expect=(200, 201))
+        return body["status"]["token"]
+
+    def write_kubeconfig(self, path: str | Path, token: str, user: str = "user") -> Path:
+        """Write a kubeconfig for `token` (e.g. a ServiceAccount's) to `path`."""
+        path = Path(path)
+        path.write_text(kubeconfig_text(self.server, self.ca_file, token, user))
+        return path
+
+    def api_client(self, token: str | None = None):
+        """A `kubernetes.client.ApiClient` for this cluster (admin unless `token`)."""
+        from kubernetes import client, config
+
+        path = self.kubeconfig
+        if token is not None:
+            assert self.workdir is not None
+            path = self.write_kubeconfig(self.workdir / f"token-{abs(hash(token))}.kubeconfig", token)
+        return config.new_client_from_config(config_file=str(path))
+
+    def set_pod_phase(self, namespace: str, name: str, phase: str,
+                      exit_code: int | None = None) -> dict[str, Any]:
+        """Write a pod's status.phase as a kubelet would; returns the updated pod.
+
+        Terminal phases ("Succeeded", "Failed") also mark every container
+        terminated with `exit_code` (default 0 / 1) and the pod not Ready.
+
+        Raises:
+            ValueError: phase not one of Pending, Running, Succeeded, Failed.
+            ControlPlaneError: the API rejected the update.
+        """
+        if phase not in ("Pending", "Running", "Succeeded", "Failed"):
+            raise ValueError(f"phase={phase!r}: use Pending, Running, Succeeded or Failed")
+        base = f"/api/v1/namespaces/{namespace}/pods/{name}"
+        _, pod = self.request("GET", base, expect=(200,))
+        status: dict[str, Any] = {"phase": phase}
+        if phase in TERMINAL_EXIT_CODES:
+            code = TERMINAL_EXIT_CODES[phase] if exit_code is None else exit_code
+            now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+            status["containerStatuses"] = [{
+                "name": c["name"], "image": c.get("image", ""), "imageID": "", "ready": False,
+                "restartCount": 0, "started": False,
+                # null drops kwok's running/waiting state: one state per container.
+                "state": {"running": None, "waiting": None,
+                          "terminated": {"exitCode": code, "startedAt": now, "finishedAt": now,
+                                         "reason": "Completed" if code == 0 else "Error"}},
+            } for c in pod["spec"]["containers"]]
+            status["conditions"] = [
+                {"type": t, "status": "False", "lastTransitionTime": now, "reason": "PodCompleted"}
+                for t in ("Ready", "ContainersReady")]
+        _, updated = self.request("PATCH", base + "/status", {"status": status},
+                                  content_type="application/strategic-merge-patch+json",
+                                  expect=(200,))
+        return updated

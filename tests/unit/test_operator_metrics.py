@@ -1,0 +1,82 @@
+"""The operator's custom Prometheus collector: values, and a deleted job's series disappear."""
+
+from __future__ import annotations
+
+import pytest
+from prometheus_client import CollectorRegistry, generate_latest
+
+from distflow_operator.config import OperatorConfig
+from distflow_operator.metrics import JobSample, OperatorMetrics
+
+pytestmark = pytest.mark.unit
+
+
+@pytest.fixture
+def scrape():
+    metrics = OperatorMetrics()
+    registry = CollectorRegistry()
+    registry.register(metrics)
+    return metrics, lambda name, **labels: registry.get_sample_value(name, labels or None)
+
+
+def test_jobs_are_counted_per_phase_with_zero_for_empty_phases(scrape):
+    metrics, value = scrape
+    metrics.record_job("a", "j1", JobSample("Running", 0, 2, 2))
+    metrics.record_job("a", "j2", JobSample("Running", 1, 1, 2))
+    metrics.record_job("b", "j3", JobSample("Failed", 3, 0, 4))
+    assert value("distflow_operator_jobs", phase="Running") == 2
+    assert value("distflow_operator_jobs", phase="Failed") == 1
+    assert value("distflow_operator_jobs", phase="Suspended") == 0
+
+
+def test_per_job_series_carry_phase_restarts_and_nodes(scrape):
+    metrics, value = scrape
+    metrics.record_job("a", "j1", JobSample("Restarting", 2, 1, 4))
+    assert value("distflow_operator_job_phase", namespace="a", job="j1", phase="Restarting") == 1
+    assert value("distflow_operator_job_restarts_total", namespace="a", job="j1") == 2
+    assert value("distflow_operator_job_nodes_ready", namespace="a", job="j1") == 1
+    assert value("distflow_operator_job_nodes_desired", namespace="a", job="j1") == 4
+
+
+def test_a_forgotten_job_leaves_no_series_behind(scrape):
+    metrics, value = scrape
+    metrics.record_job("a", "gone", JobSample("Running", 1, 2, 2))
+    metrics.record_job("a", "kept", JobSample("Running", 0, 2, 2))
+    metrics.forget_job("a", "gone")
+    registry = CollectorRegistry()
+    registry.register(metrics)
+    text = generate_latest(registry).decode()
+    assert 'job="gone"' not in text and 'job="kept"' in text
+    assert value("distflow_operator_jobs", phase="Running") == 1
+
+
+def test_time_to_running_histogram_buckets_are_cumulative(scrape):
+    metrics, value = scrape
+    for seconds in (0.5, 3.0, 3.0, 4000.0):
+        metrics.observe_time_to_running(seconds)
+    assert value("distflow_operator_time_to_running_seconds_bucket", le="1.0") == 1
+    assert value("distflow_operator_time_to_running_seconds_bucket", le="5.0") == 3
+    assert value("distflow_operator_time_to_running_seconds_bucket", le="3600.0") == 3
+    assert value("distflow_operator_time_to_running_seconds_bucket", le="+Inf") == 4
+    assert value("distflow_operator_time_to_running_seconds_count") == 4
+    assert value("distflow_operator_time_to_running_seconds_sum") == 4006.5
+
+
+def test_reconcile_and_restart_counters(scrape):
+    metrics, value = scrape
+    metrics.record_reconcile(failed=False)
+    metrics.record_reconcile(failed=True)
+    metrics.record_gang_restarts(2)
+    assert value("distflow_operator_reconciles_total") == 2
+    assert value("distflow_operator_reconcile_errors_total") == 1
+    assert value("distflow_operator_gang_restarts_total") == 2
+
+
+def test_operator_config_from_env_validates_numbers():
+    config = OperatorConfig.from_env({"DISTFLOW_OPERATOR_METRICS_PORT": "9100",
+                                      "DISTFLOW_OPERATOR_PROGRESS_INTERVAL": "0.5"})
+    assert (config.metrics_port, config.progress_interval_s, config.resync_interval_s) == (9100, 0.5, 60.0)
+    with pytest.raises(ValueError, match="DISTFLOW_OPERATOR_API_WORKERS='many'"):
+        OperatorConfig.from_env({"DISTFLOW_OPERATOR_API_WORKERS": "many"})
+    with pytest.raises(ValueError, match="metrics_port=70000"):
+        OperatorConfig(metrics_port=70000)

@@ -1,0 +1,101 @@
+"""The job spec: validation messages name the field and the fix; names match the runtime."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from distflow.errors import DistflowConfigError
+from distflow.spec import dump_spec, load_job_spec, parse_spec
+
+pytestmark = pytest.mark.unit
+
+ROOT = Path(__file__).resolve().parents[2]
+MINIMAL = {"model": {"path": "tiny"}, "data": {"train": {"path": "arithmetic"}}}
+
+
+def _problems(doc) -> list[str]:
+    with pytest.raises(DistflowConfigError) as info:
+        parse_spec(doc)
+    return info.value.problems
+
+
+def test_minimal_spec_gets_defaults():
+    spec = parse_spec(MINIMAL)
+    assert spec.world_size == 1
+    assert spec.algorithm.advantage_estimator == "grpo"
+    assert spec.data_plane.mode == "distributed"
+    assert dump_spec(spec)["data"]["trainBatchSize"] == 8
+
+
+def test_camel_and_snake_case_are_both_accepted():
+    a = parse_spec({**MINIMAL, "cluster": {"numNodes": 2}})
+    b = parse_spec({**MINIMAL, "cluster": {"num_nodes": 2}})
+    assert a == b and a.cluster.num_nodes == 2
+
+
+@pytest.mark.parametrize("doc, path, fix", [
+    ({"model": {"path": "tiny"}}, "spec.data", "required"),
+    ({**MINIMAL, "modle": {}}, "spec.modle", "remove it"),
+    ({**MINIMAL, "rollout": {"n": 0}}, "spec.rollout.n", "greater than or equal to 1"),
+    ({**MINIMAL, "rollout": {"temperature": "hot"}}, "spec.rollout.temperature", "got 'hot'"),
+    ({**MINIMAL, "algorithm": {"advantageEstimator": "ppo2"}}, "spec.algorithm.advantageEstimator",
+     "choose one of grpo"),
+    ({**MINIMAL, "algorithm": {"lossAggMode": "mean"}}, "spec.algorithm.lossAggMode", "token-mean"),
+    ({**MINIMAL, "cluster": {"numNodes": 2}, "data": {"train": {"path": "x"}, "trainBatchSize": 3}},
+     "spec.data.trainBatchSize", "multiple of 2"),
+    ({**MINIMAL, "actor": {"ppoMiniBatchSize": 3}}, "spec.actor.ppoMiniBatchSize", "divisor of 8"),
+    ({**MINIMAL, "rollout": {"tensorParallelSize": 2}, "cluster": {"numNodes": 2}},
+     "spec.rollout.tensorParallelSize", "engine vllm"),
+    ({**MINIMAL, "dataPlane": {"mode": "driver"}}, "spec.dataPlane.mode", "centralized"),
+])
+def test_bad_spec_names_field_and_fix(doc, path, fix):
+    problems = _problems(doc)
+    assert any(p.startswith(path + ":") and fix in p for p in problems), problems
+
+
+def test_every_problem_is_reported_at_once():
+    problems = _problems({**MINIMAL, "rollout": {"n": 0, "topP": 2.0}, "trainer": {"totalSteps": 0}})
+    assert {p.split(":")[0] for p in problems} == {"spec.rollout.n", "spec.rollout.topP",
+                                                   "spec.trainer.totalSteps"}
+
+
+def test_manifest_and_overrides(tmp_path):
+    manifest = {"apiVersion": "distflow.io/v1alpha1", "kind": "RLPostTrainJob",
+                "metadata": {"name": "x"}, "spec": MINIMAL}
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(manifest))
+    spec = load_job_spec(path, ["data.train.path=/data/train.jsonl", "trainer.totalSteps=3"])
+    assert spec.data.train.path == "/data/train.jsonl" and spec.trainer.total_steps == 3
+
+
+def test_missing_file_and_bad_override(tmp_path):
+    with pytest.raises(DistflowConfigError, match="no such file"):
+        load_job_spec(tmp_path / "nope.yaml")
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(MINIMAL))
+    with pytest.raises(DistflowConfigError, match="expected path=value"):
+        load_job_spec(path, ["data.train.path"])
+
+
+def test_examples_are_valid():
+    for path in sorted((ROOT / "examples").glob("*.yaml")):
+        load_job_spec(path)
+
+
+def test_import_distflow_spec_does_not_import_torch():
+    code = "import distflow, distflow.spec, distflow.planner, distflow.cli, distflow.data, sys; " \
+           "print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
+
+
+def test_spec_names_match_runtime_registries():
+    from distflow import algorithms, spec
+
+    assert set(spec.ADVANTAGE_ESTIMATORS) == set(algorithms.ADVANTAGES)
+    assert set(spec.POLICY_LOSSES) == set(algorithms.POLICY_LOSSES)
+    assert set(spec.KL_ESTIMATORS) == set(algorithms.KL_ESTIMATORS)
+    assert set(spec.LOSS_AGG_MODES) == set(algorithms.LOSS_AGG_MODES)

@@ -1,0 +1,114 @@
+"""`distflow` command line.
+
+    distflow run CONFIG [--set path=value ...] [--no-resume]   train on this machine
+    distflow plan CONFIG                                        print the plan every worker runs
+    distflow validate CONFIG                                    check a config or RLPostTrainJob
+    distflow model convert [SOURCE]                             GGUF -> safetensors, once, cached
+    distflow node --config PATH                                 what a pod runs (env launcher)
+
+Exit codes: 0 done, 1 training failed, 2 invalid config (nothing started).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from distflow.errors import DistflowConfigError
+from distflow.launcher import EXIT_FAILED, EXIT_INVALID_CONFIG, EXIT_OK
+from distflow.spec import JobSpec, load_job_spec
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="distflow", description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(dest="command", required=True)
+    for name, text in (("run", "train on this machine (local launcher)"),
+                       ("plan", "print the execution plan"),
+                       ("validate", "validate a config or an RLPostTrainJob manifest")):
+        c = sub.add_parser(name, help=text)
+        c.add_argument("config", help="local run config or RLPostTrainJob YAML")
+        c.add_argument("--set", dest="overrides", action="append", default=[], metavar="PATH=VALUE",
+                       help="override a spec field, e.g. --set data.train.path=train.jsonl")
+        if name == "run":
+            c.add_argument("--no-resume", action="store_true", help="ignore existing checkpoints")
+            c.add_argument("--resume", action="store_true",
+                           help="continue from the latest checkpoint (the default when one exists)")
+    node = sub.add_parser("node", help="run this pod's workers (env launcher)")
+    node.add_argument("--config", required=True, help="the job spec mounted from the ConfigMap")
+    model = sub.add_parser("model", help="model utilities")
+    msub = model.add_subparsers(dest="model_command", required=True)
+    conv = msub.add_parser("convert", help="convert a GGUF model to safetensors in the cache")
+    conv.add_argument("source", nargs="?", default="smollm2", help="smollm2 (default) or gguf:<file>")
+    return p
+
+
+def _load(args) -> JobSpec:
+    return load_job_spec(args.config, args.overrides)
+
+
+def cmd_run(args) -> int:
+    from distflow.launcher import job_name_for, launch_local
+    from distflow.metrics import read_jsonl
+
+    spec = _load(args)
+    launch_local(spec, job_name_for(args.config), resume=not args.no_resume)
+    records = read_jsonl(f"{spec.trainer.log_dir}/metrics.jsonl")
+    evals = [r["eval/score"] for r in records if "eval/score" in r]
+    if evals:
+        print(f"eval score: before {evals[0]:.3f} -> after {evals[-1]:.3f} "
+              f"({len(evals)} evaluations; metrics in {spec.trainer.log_dir}/metrics.jsonl)")
+    return EXIT_OK
+
+
+def cmd_plan(args) -> int:
+    from distflow.planner import build_plan
+
+    print(build_plan(_load(args)).describe())
+    return EXIT_OK
+
+
+def cmd_validate(args) -> int:
+    from distflow.planner import build_plan
+
+    spec = _load(args)
+    build_plan(spec)
+    print(f"{args.config}: valid ({spec.world_size} workers, workflow "
+          f"{spec.workflow.name if not spec.workflow.nodes else 'custom'})")
+    return EXIT_OK
+
+
+def cmd_node(args) -> int:
+    from distflow.launcher import job_name_for, launch_node
+    from distflow.planner import build_plan
+
+    spec = load_job_spec(args.config)
+    build_plan(spec)
+    launch_node(spec, job_name_for(args.config))
+    return EXIT_OK
+
+
+def cmd_model(args) -> int:
+    from distflow.models import resolve_model
+    from distflow.worker import model_cache_dir
+
+    print(resolve_model(args.source, model_cache_dir()))
+    return EXIT_OK
+
+
+COMMANDS = {"run": cmd_run, "plan": cmd_plan, "validate": cmd_validate, "node": cmd_node,
+            "model": cmd_model}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        return COMMANDS[args.command](args)
+    except DistflowConfigError as err:
+        print(f"distflow: {err}", file=sys.stderr)
+        return EXIT_INVALID_CONFIG
+    except KeyboardInterrupt:
+        return EXIT_FAILED
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,140 @@
+"""The data coordinator: lays a step's samples out for each node of the chain.
+
+    produce(node, batch)            ensure(node)                     exchange
+    --------------------   ----------------------------------   -------------------
+    batch @ placement A -> same placement? local cache (0 B) -> all_to_all / shm
+                           else: all-gather lengths (metadata),  (or, centralized:
+                           every rank plans the same moves       gather+scatter via 0)
+
+Each rank holds only its own samples. To change placement every rank
+all-gathers the per-sample token counts (a few bytes per sample), computes
+the same ``RedistributionPlan`` (balanced by token cost for the train layout,
+back to the generating rank for the rollout layout) and executes it. No rank
+ever holds the global batch, except rank 0 in ``centralized`` mode, which
+routes every edge through itself as a single-controller system does.
+
+Step data lives in a ``DoubleBuffer``: the swap at a step boundary is O(1)
+and the previous step's tensors are freed on a background thread.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from distflow.data.balance import imbalance, sample_cost
+from distflow.data.batch import PackedBatch
+from distflow.data.buffer import DoubleBuffer, NodeBuffer
+from distflow.data.counters import TransferCounters
+from distflow.data.exchange import allgather_lengths, exchange, exchange_centralized
+from distflow.data.redistribute import balanced_assignment, plan_redistribution
+from distflow.planner import ROLLOUT, Plan, PlannedNode, same_samples
+from distflow.spec import JobSpec
+
+
+@dataclass
+class DataCoordinator:
+    spec: JobSpec
+    plan: Plan
+    rank: int
+    counters: TransferCounters
+    node_buffer: NodeBuffer | None = None
+    buffer: DoubleBuffer = field(default_factory=DoubleBuffer)
+    step: int = 0
+    placement: str = ROLLOUT
+    producer: str = ""
+    last_imbalance: float = 1.0
+
+    @property
+    def batch(self) -> PackedBatch:
+        """This rank's samples of the step, laid out for the current placement."""
+        return self.buffer.get("batch")
+
+    @property
+    def centralized(self) -> bool:
+        return self.spec.data_plane.mode == "centralized"
+
+    def produce(self, node_id: str, batch: PackedBatch) -> None:
+        """Record a node's output (this rank's samples, current placement)."""
+        if node_id == "rollout" or "origin_rank" not in batch.sample_fields:
+            batch = batch.with_fields(sample={
+                "origin_rank": torch.full((batch.num_samples,), self.rank, dtype=torch.long),
+                "origin_index": torch.arange(batch.num_samples, dtype=torch.long),
+            })
+        self.buffer.put("batch", batch)
+        self.producer = node_id
+
+    def ensure(self, node: PlannedNode) -> None:
+        """Lay the step's batch out for ``node``'s placement (collective unless local)."""
+        if not self.producer:
+            return
+        edge = f"{self.producer}->{node.id}"
+        src = self.plan.layouts[self.placement]
+        dst = self.plan.layouts[node.placement]
+        if same_samples(src, dst) and not self.centralized:
+            self.counters.record_exchange(edge, cache_hit=True)
+            self.placement = node.placement
+            return
+        self._move(node.placement, edge)
+
+    def _move(self, placement: str, edge: str) -> None:
+        batch = self.batch
+        lengths = allgather_lengths(batch.seq_lens)
+        holdings, offset = [], 0
+        for lens in lengths:
+            holdings.append(list(range(offset, offset + lens.numel())))
+            offset += lens.numel()
+        flat = torch.cat(lengths).tolist() if lengths else []
+        target = self._target(placement, holdings, flat, batch)
+        plan = plan_redistribution(holdings, target)
+        run = exchange_centralized if self.centralized else exchange
+        kwargs = dict(all_lengths=lengths)
+        if not self.centralized and self.node_buffer is not None:
+            kwargs.update(node_of_rank=[self.plan.node_of_rank(r) for r in range(self.plan.world_size)],
+                          node_buffer=self.node_buffer, step=self.step)
+        moved = run(batch, plan, None, self.counters, edge, **kwargs)
+        self.buffer.put("batch", moved)
+        self.placement = placement
+
+    def _target(self, placement: str, holdings, lengths: list[int], batch) -> list[list[int]]:
+        layout = self.plan.layouts[placement]
+        if layout.balanced:
+            costs = [sample_cost(n, self.spec.data_plane.balance_alpha) for n in lengths]
+            target = balanced_assignment(holdings, costs, layout.dp_size)
+            self.last_imbalance = imbalance(costs, target)
+            return target
+        if placement == ROLLOUT:
+            return self._back_to_origin(holdings, batch)
+        return holdings
+
+    def _back_to_origin(self, holdings, batch: PackedBatch) -> list[list[int]]:
+        """Every sample back to the rank that generated it, in generation order."""
+        origin = torch.stack([batch.sample_fields["origin_rank"], batch.sample_fields["origin_index"]], 1)
+        everyone = _allgather_rows(origin)
+        ids = [gid for held in holdings for gid in held]
+        keyed = sorted(zip(everyone.tolist(), ids))
+        target: list[list[int]] = [[] for _ in holdings]
+        for (rank, _), gid in keyed:
+            target[rank].append(gid)
+        return target
+
+    def next_step(self, step: int) -> None:
+        """Step boundary: O(1) swap; last step's data is freed in the background."""
+        self.buffer.swap()
+        if self.node_buffer is not None:
+            self.node_buffer.cleanup_step(self.step)
+        self.step = step
+        self.placement = ROLLOUT
+        self.producer = ""
+
+
+def _allgather_rows(rows: torch.Tensor) -> torch.Tensor:
+    """All ranks' [B_r, 2] int64 rows, concatenated in rank order (metadata only)."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return rows
+    flat = rows.reshape(-1)
+    counts = allgather_lengths(flat)
+    return torch.cat(counts).reshape(-1, 2)

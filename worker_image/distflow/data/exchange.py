@@ -1,0 +1,437 @@
+"""Execute a ``RedistributionPlan`` with torch.distributed (gloo on CPU, NCCL on GPU).
+
+Every rank runs ``exchange`` with the same plan. Only metadata is gathered
+(sample counts, lengths, a schema digest); each rank then knows the exact
+byte size of every piece and moves its data in ONE ``all_to_all_single``:
+
+    rank r: [piece r->0 | piece r->1 | ...]  --all_to_all_single-->  [piece 0->r | piece 1->r | ...]
+
+A piece is one contiguous uint8 buffer holding, for its samples, every field
+in ``field_schema()`` order (token fields, then sample fields), each chunk
+padded to 8 bytes so the receiver can view it as float/int without copying.
+Samples that stay on their rank are never packed or sent; with a
+``NodeBuffer`` pieces between ranks of one node go through shared memory and
+only cross-node pieces use the collective.
+
+``exchange_centralized`` is the single-controller baseline (DistFlow's
+comparison, arXiv 2507.13833): every rank's whole batch goes to rank 0,
+which reorders and sends each rank its part. Both return bit-identical batches.
+
+On NCCL the batch must live on the current CUDA device; node-buffer pieces
+are staged through host memory.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+
+from distflow.data.batch import SAMPLE, TOKEN, FieldSpec, PackedBatch, check_same_schema
+from distflow.data.buffer import NodeBuffer
+from distflow.data.counters import TransferCounters
+from distflow.data.redistribute import RedistributionPlan
+
+ALIGN = 8
+"""Bytes each field chunk is padded to, so uint8 -> dtype views are aligned."""
+
+
+def _aligned(nbytes: int) -> int:
+    return -(-nbytes // ALIGN) * ALIGN
+
+
+def piece_nbytes(schema: Sequence[FieldSpec], num_tokens: int, num_samples: int) -> int:
+    """Wire size in bytes of a piece with ``num_tokens`` tokens over ``num_samples`` samples."""
+    return sum(
+        _aligned((num_tokens if s.kind == TOKEN else num_samples) * s.row_nbytes) for s in schema
+    )
+
+
+def _comm_device(group) -> torch.device:
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _global_rank(group, rank: int) -> int:
+    return rank if group is None else dist.get_global_rank(group, rank)
+
+
+def _allgather_ints(values: Sequence[int], group) -> list[list[int]]:
+    """All-gather a fixed-length list of int64 from every rank."""
+    device = _comm_device(group)
+    mine = torch.tensor(list(values), dtype=torch.int64, device=device)
+    parts = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, mine, group=group)
+    return [p.cpu().tolist() for p in parts]
+
+
+def _allgather_lengths(local_lengths: torch.Tensor, digest: int, group):
+    heads = _allgather_ints([local_lengths.numel(), digest], group)
+    counts, digests = [h[0] for h in heads], [h[1] for h in heads]
+    longest = max(counts)
+    if longest == 0:
+        return [torch.zeros(0, dtype=torch.int64) for _ in counts], digests
+    device = _comm_device(group)
+    padded = torch.zeros(longest, dtype=torch.int64, device=device)
+    padded[: local_lengths.numel()] = local_lengths.to(device=device, dtype=torch.int64)
+    parts = [torch.empty_like(padded) for _ in counts]
+    dist.all_gather(parts, padded, group=group)
+    return [p.cpu()[:n] for p, n in zip(parts, counts)], digests
+
+
+def allgather_lengths(local_lengths: torch.Tensor, group=None) -> list[torch.Tensor]:
+    """Every rank's ``seq_lens``: [world] list of [B_r] int64 CPU tensors (B_r may differ).
+
+    Two small all-gathers (counts, then lengths padded to the longest).
+    """
+    return _allgather_lengths(local_lengths, 0, group)[0]
+
+
+def _schema_digest(schema: Sequence[FieldSpec]) -> int:
+    return int.from_bytes(hashlib.sha256(repr(tuple(schema)).encode()).digest()[:8], "little") >> 1
+
+
+def _gather_metadata(batch, plan, group, all_lengths):
+    """Lengths of all ranks, after checking schemas and the plan agree everywhere.
+
+    Every check uses gathered data, so all ranks raise together instead of
+    one raising and the others hanging in the next collective.
+    """
+    schema = batch.field_schema()
+    digest = _schema_digest(schema)
+    if all_lengths is None:
+        lengths, digests = _allgather_lengths(batch.seq_lens, digest, group)
+    else:
+        digests = [d[0] for d in _allgather_ints([digest], group)]
+        lengths = [torch.as_tensor(x, dtype=torch.int64).cpu() for x in all_lengths]
+        if len(lengths) != plan.num_ranks:
+            raise ValueError(f"all_lengths has {len(lengths)} entries; need one per rank ({plan.num_ranks})")
+        if not torch.equal(lengths[dist.get_rank(group)], batch.seq_lens):
+            raise ValueError("all_lengths[rank] differs from this rank's batch.seq_lens; "
+                             "pass the output of allgather_lengths(batch.seq_lens)")
+    if len(set(digests)) > 1:
+        _raise_schema_mismatch(schema, len(digests), group)
+    for r, (held, lens) in enumerate(zip(plan.src_holdings, lengths)):
+        if len(held) != lens.numel():
+            raise ValueError(f"rank {r} has {lens.numel()} samples but plan.src_holdings[{r}] "
+                             f"lists {len(held)}; build the plan from the actual layout")
+    return schema, [x.tolist() for x in lengths]
+
+
+def _raise_schema_mismatch(schema, num_ranks: int, group) -> None:
+    """Digests differ: gather the full schemas (rare path) to name the field."""
+    schemas: list = [None] * num_ranks
+    dist.all_gather_object(schemas, tuple(schema), group=group)
+    for r, other in enumerate(schemas):
+        check_same_schema(schemas[0], other, f"rank {r} (compared with rank 0)")
+
+
+def _size_matrix(plan: RedistributionPlan, schema, lengths) -> list[list[int]]:
+    """[N][N] wire bytes of piece src -> dst (diagonal: what stays, never sent)."""
+    out = []
+    for src, row in enumerate(plan.sends):
+        lens = lengths[src]
+        out.append([piece_nbytes(schema, sum(lens[p] for p in pos), len(pos)) if pos else 0 for pos in row])
+    return out
+
+
+def _pack_into(out: torch.Tensor, batch: PackedBatch, positions: Sequence[int], schema) -> None:
+    """Write the samples at ``positions`` of ``batch`` into the uint8 buffer ``out``."""
+    if out.device != batch.device:
+        staged = torch.empty(out.numel(), dtype=torch.uint8, device=batch.device)
+        _pack_into(staged, batch, positions, schema)
+        out.copy_(staged)
+        return
+    sample_idx = torch.as_tensor(list(positions), dtype=torch.int64, device=batch.device)
+    token_idx = batch.token_index(positions).to(batch.device)
+    offset = 0
+    for spec in schema:
+        is_token = spec.kind == TOKEN
+        source = (batch.token_fields if is_token else batch.sample_fields)[spec.name]
+        index = token_idx if is_token else sample_idx
+        nbytes = index.numel() * spec.row_nbytes
+        target = out[offset: offset + nbytes].view(spec.dtype).view(index.numel(), *spec.trailing_shape)
+        torch.index_select(source, 0, index, out=target)
+        offset += _aligned(nbytes)
+
+
+def _pack(batch, positions, schema, nbytes, device) -> torch.Tensor:
+    out = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    _pack_into(out, batch, positions, schema)
+    return out
+
+
+def _unpack(buffer: torch.Tensor, schema, seq_lens: Sequence[int]) -> PackedBatch:
+    """Views into ``buffer`` (no copy): the inverse of ``_pack_into``."""
+    num_tokens, num_samples = sum(seq_lens), len(seq_lens)
+    fields = {TOKEN: {}, SAMPLE: {}}
+    offset = 0
+    for spec in schema:
+        rows = num_tokens if spec.kind == TOKEN else num_samples
+        nbytes = rows * spec.row_nbytes
+        chunk = buffer[offset: offset + nbytes]
+        fields[spec.kind][spec.name] = chunk.view(spec.dtype).view(rows, *spec.trailing_shape)
+        offset += _aligned(nbytes)
+    return PackedBatch(torch.tensor(list(seq_lens), dtype=torch.int64), fields[TOKEN], fields[SAMPLE])
+
+
+def _empty_batch(schema, device) -> PackedBatch:
+    fields = {TOKEN: {}, SAMPLE: {}}
+    for spec in schema:
+        fields[spec.kind][spec.name] = torch.empty((0, *spec.trailing_shape), dtype=spec.dtype, device=device)
+    return PackedBatch(torch.zeros(0, dtype=torch.int64), fields[TOKEN], fields[SAMPLE])
+
+
+def _contiguous_runs(positions: Sequence[int]) -> list[tuple[int, int]]:
+    """[3, 4, 5, 9, 10] -> [(3, 6), (9, 11)]."""
+    runs: list[list[int]] = []
+    for p in positions:
+        if runs and runs[-1][1] == p:
+            runs[-1][1] += 1
+        else:
+            runs.append([p, p + 1])
+    return [(a, b) for a, b in runs]
+
+
+def _assemble(plan: RedistributionPlan, dst: int, sources: dict, schema, device) -> PackedBatch:
+    """dst's batch in planned order, with one copy per field (none if a single view suffices).
+
+    ``sources[src]`` is ``(batch, positions)``: the piece from src is
+    ``batch`` at ``positions``, or the whole of ``batch`` when positions is None.
+    """
+    views = []
+    for src, start, stop in plan.recv_segments(dst):
+        batch, positions = sources[src]
+        wanted = range(start, stop) if positions is None else positions[start:stop]
+        views += [(batch, a, b) for a, b in _contiguous_runs(wanted)]
+    if not views:
+        return _empty_batch(schema, device)
+    if len(views) == 1 and views[0][1] == 0 and views[0][2] == views[0][0].num_samples:
+        return views[0][0]
+    return PackedBatch.concat([b.slice(a, z) for b, a, z in views])
+
+
+def _check_inputs(batch, plan, group, node_of_rank, node_buffer) -> None:
+    world = dist.get_world_size(group)
+    if plan.num_ranks != world:
+        raise ValueError(f"plan covers {plan.num_ranks} ranks but the group has {world}; "
+                         "plan over every rank of the group (empty lists for idle ranks)")
+    if (node_of_rank is None) != (node_buffer is None):
+        raise ValueError("give node_of_rank and node_buffer together (or neither)")
+    if node_of_rank is not None and len(node_of_rank) != world:
+        raise ValueError(f"node_of_rank has {len(node_of_rank)} entries; need one per rank ({world})")
+    device = _comm_device(group)
+    if batch.field_schema() and batch.device.type != device.type:
+        raise ValueError(f"batch is on {batch.device} but backend {dist.get_backend(group)} "
+                         f"moves {device.type} tensors; move the batch with .to()")
+
+
+def _shm_routes(world: int, node_of_rank) -> list[list[bool]]:
+    """[src][dst] True where the piece goes through the node buffer."""
+    return [[node_of_rank is not None and s != d and node_of_rank[s] == node_of_rank[d]
+             for d in range(world)] for s in range(world)]
+
+
+def _all_to_all_pieces(batch, plan, schema, wire, rank, group, device) -> dict[int, torch.Tensor]:
+    """One all_to_all_single over the ``wire[src][dst]`` byte sizes; src -> received bytes.
+
+    Skipped on every rank when no rank sends anything (all ranks know ``wire``).
+    """
+    if not any(any(row) for row in wire):
+        return {}
+    send_splits = wire[rank]
+    recv_splits = [row[rank] for row in wire]
+    send = torch.empty(sum(send_splits), dtype=torch.uint8, device=device)
+    offset = 0
+    for dst, nbytes in enumerate(send_splits):
+        if nbytes:
+            _pack_into(send[offset: offset + nbytes], batch, plan.sends[rank][dst], schema)
+        offset += nbytes
+    recv = torch.empty(sum(recv_splits), dtype=torch.uint8, device=device)
+    dist.all_to_all_single(recv, send, recv_splits, send_splits, group=group)
+    pieces, offset = {}, 0
+    for src, nbytes in enumerate(recv_splits):
+        if nbytes:
+            pieces[src] = recv[offset: offset + nbytes]
+        offset += nbytes
+    return pieces
+
+
+def exchange(
+    batch: PackedBatch,
+    plan: RedistributionPlan,
+    group=None,
+    counters: TransferCounters | None = None,
+    edge: str = "",
+    *,
+    all_lengths: Sequence[torch.Tensor] | None = None,
+    node_of_rank: Sequence[int] | None = None,
+    node_buffer: NodeBuffer | None = None,
+    step: int = 0,
+) -> PackedBatch:
+    """Move samples as ``plan`` says; returns this rank's ``plan.dst_assignment[rank]`` in order.
+
+    Collective: every rank of ``group`` calls it with the same plan. An
+    identity plan returns ``batch`` itself and moves nothing (local cache).
+    Otherwise: all-gather counts and a schema digest (and the lengths, unless
+    ``all_lengths`` is given), publish same-node pieces to ``node_buffer``,
+    one ``all_to_all_single`` for the rest, take same-node pieces, and
+    assemble the planned order with one copy per field.
+
+    Node-buffer files are named by (step, edge, src, dst); exchanging the
+    same edge twice in a step is safe because the metadata all-gather of the
+    second call waits for every rank to finish the first.
+
+    Args:
+        batch: this rank's samples, in ``plan.src_holdings[rank]`` order.
+        plan: the same ``RedistributionPlan`` on every rank (group ranks).
+        group: process group (default: world).
+        counters: records wire bytes (fields padded to 8 bytes) per edge.
+        edge: name of the DAG edge, e.g. ``"rollout->actor"``.
+        node_of_rank: node index of each group rank; with ``node_buffer``,
+            pieces between ranks of one node go through shared memory.
+        all_lengths: [world] of [B_r] int64, from ``allgather_lengths``, when
+            the caller already gathered them (e.g. to balance).
+        step: training step, keys node-buffer files.
+
+    Returns:
+        A ``PackedBatch`` whose fields may be views into the receive buffer.
+
+    Raises:
+        ValueError: plan and group sizes differ, a rank's batch does not match
+            the plan, schemas differ between ranks (names the field), or the
+            batch is on the wrong device for the backend.
+    """
+    _check_inputs(batch, plan, group, node_of_rank, node_buffer)
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    if plan.is_identity:
+        if counters is not None:
+            counters.record_exchange(edge, cache_hit=True)
+        return batch
+    schema, lengths = _gather_metadata(batch, plan, group, all_lengths)
+    sizes = _size_matrix(plan, schema, lengths)
+    via_shm = _shm_routes(world, node_of_rank)
+    device = _comm_device(group)
+    key = (step, edge)
+    for dst in range(world):
+        if via_shm[rank][dst] and sizes[rank][dst]:
+            out = node_buffer.reserve(*key, rank, dst, sizes[rank][dst])
+            _pack_into(out, batch, plan.sends[rank][dst], schema)
+            node_buffer.commit(*key, rank, dst)
+    wire = [[0 if s == d or via_shm[s][d] else sizes[s][d] for d in range(world)] for s in range(world)]
+    received = _all_to_all_pieces(batch, plan, schema, wire, rank, group, device)
+    for src in range(world):
+        if via_shm[src][rank] and sizes[src][rank]:
+            received[src] = node_buffer.take(*key, src, rank).to(device)
+    sources = {rank: (batch, plan.sends[rank][rank])}
+    for src in range(world):
+        if src != rank and plan.sends[src][rank]:
+            buffer = received.get(src, torch.empty(0, dtype=torch.uint8, device=device))
+            piece_lens = [lengths[src][p] for p in plan.sends[src][rank]]
+            sources[src] = (_unpack(buffer, schema, piece_lens), None)
+    result = _assemble(plan, rank, sources, schema, device)
+    if counters is not None:
+        _count(counters, edge, rank, sizes, via_shm)
+    return result
+
+
+def _count(counters: TransferCounters, edge: str, rank: int, sizes, via_shm) -> None:
+    world = len(sizes)
+    for peer in range(world):
+        if peer != rank:
+            counters.record_send(edge, rank, peer, sizes[rank][peer], handed_over=via_shm[rank][peer])
+            counters.record_receive(edge, sizes[peer][rank])
+    moved = sum(sizes[s][d] for s in range(world) for d in range(world) if s != d)
+    counters.record_exchange(edge, cache_hit=moved == 0)
+
+
+def _planned_lengths(plan: RedistributionPlan, lengths, dst: int) -> list[int]:
+    length_of = {gid: lengths[src][p] for src, held in enumerate(plan.src_holdings)
+                 for p, gid in enumerate(held)}
+    return [length_of[gid] for gid in plan.dst_assignment[dst]]
+
+
+def exchange_centralized(
+    batch: PackedBatch,
+    plan: RedistributionPlan,
+    group=None,
+    counters: TransferCounters | None = None,
+    edge: str = "",
+    *,
+    all_lengths: Sequence[torch.Tensor] | None = None,
+    root: int = 0,
+) -> PackedBatch:
+    """The single-controller baseline: the same result as ``exchange``, all through ``root``.
+
+    Every other rank sends its whole batch to ``root`` (point-to-point, exact
+    sizes); ``root`` materialises every destination's batch in planned order
+    and sends it back. Identity plans are routed too, as a driver would.
+    Counters: ``root`` records all it receives and sends; others their one
+    send and one receive.
+
+    Args/Raises: as ``exchange``.
+    """
+    _check_inputs(batch, plan, group, None, None)
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    schema, lengths = _gather_metadata(batch, plan, group, all_lengths)
+    device = _comm_device(group)
+    planned = [_planned_lengths(plan, lengths, dst) for dst in range(world)]
+    inbound = [piece_nbytes(schema, sum(lens), len(lens)) for lens in lengths]
+    outbound = [piece_nbytes(schema, sum(lens), len(lens)) for lens in planned]
+    root_global = _global_rank(group, root)
+    if rank == root:
+        result = _centralized_root(batch, plan, schema, lengths, inbound, outbound, group, device, root)
+    else:
+        if inbound[rank]:
+            whole = _pack(batch, range(batch.num_samples), schema, inbound[rank], device)
+            dist.send(whole, dst=root_global, group=group)
+        buffer = torch.empty(outbound[rank], dtype=torch.uint8, device=device)
+        if outbound[rank]:
+            dist.recv(buffer, src=root_global, group=group)
+        result = _unpack(buffer, schema, planned[rank])
+    if counters is not None:
+        _count_centralized(counters, edge, rank, root, inbound, outbound)
+    return result
+
+
+def _count_centralized(counters, edge, rank, root, inbound, outbound) -> None:
+    others = [r for r in range(len(inbound)) if r != root]
+    if rank == root:
+        for peer in others:
+            counters.record_receive(edge, inbound[peer])
+            counters.record_send(edge, root, peer, outbound[peer])
+    else:
+        counters.record_send(edge, rank, root, inbound[rank])
+        counters.record_receive(edge, outbound[rank])
+    moved = sum(inbound[r] + outbound[r] for r in others)
+    counters.record_exchange(edge, cache_hit=moved == 0)
+
+
+def _centralized_root(batch, plan, schema, lengths, inbound, outbound, group, device, root):
+    """Receive every batch, rebuild each destination's batch, send them; returns root's own."""
+    world = len(lengths)
+    buffers, requests = {}, []
+    for src in range(world):
+        if src != root and inbound[src]:
+            buffers[src] = torch.empty(inbound[src], dtype=torch.uint8, device=device)
+            requests.append(dist.irecv(buffers[src], src=_global_rank(group, src), group=group))
+    for request in requests:
+        request.wait()
+    empty = torch.empty(0, dtype=torch.uint8, device=device)
+    full = {src: batch if src == root else _unpack(buffers.get(src, empty), schema, lengths[src])
+            for src in range(world)}
+    result, sends = None, []
+    for dst in range(world):
+        sources = {src: (full[src], plan.sends[src][dst]) for src in range(world)}
+        part = _assemble(plan, dst, sources, schema, device)
+        if dst == root:
+            result = part
+        elif outbound[dst]:
+            out = _pack(part, range(part.num_samples), schema, outbound[dst], device)
+            sends.append((out, dist.isend(out, dst=_global_rank(group, dst), group=group)))
+    for _, request in sends:
+        request.wait()
+    return result

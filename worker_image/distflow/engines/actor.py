@@ -1,0 +1,123 @@
+"""The actor update: PPO-style clipped policy loss + KL loss - entropy bonus.
+
+The loss of one optimizer step is the loss of the whole global mini-batch,
+however it is split over dp ranks and micro-batches: each micro-batch adds
+``aggregate_loss(..., LossNormalizer(global counts))``, and since FSDP2
+averages gradients over the dp ranks, the backward loss is multiplied by the
+dp size (verl's scaling). Hence a 2-rank run takes the same step as a 1-rank
+run on the same samples.
+
+When the actor takes one optimizer step per batch (one epoch, one
+mini-batch), the sampling policy *is* the current policy: ``old_log_probs``
+are the current log-probs detached (the ratio is exactly 1) and no separate
+old-log-prob pass is planned.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from distflow.algorithms import (
+    LossNormalizer, PolicyLossParams, aggregate_loss, get_kl_estimator, get_policy_loss_fn,
+)
+from distflow.data.batch import PackedBatch
+from distflow.engines import fsdp, model_ops
+from distflow.spec import JobSpec
+
+
+# Aggregated losses are each micro-batch's share of the global mean: summed, not averaged.
+_LOSS_SHARES = frozenset({"actor/pg_loss", "actor/kl_loss", "actor/entropy"})
+
+
+@dataclass
+class Actor:
+    spec: JobSpec
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    pad_token_id: int
+    dp_size: int
+    device: torch.device
+
+    @classmethod
+    def build(cls, spec: JobSpec, model, pad_token_id: int, dp_size: int, device) -> "Actor":
+        a = spec.actor
+        opt = torch.optim.AdamW(model.parameters(), lr=a.lr, weight_decay=a.weight_decay,
+                                betas=(0.9, 0.999), eps=1e-8)
+        return cls(spec, model, opt, pad_token_id, dp_size, device)
+
+    def _global_counts(self, batch: PackedBatch) -> LossNormalizer:
+        tokens = float(batch.sample_fields["response_len"].sum())
+        sums = fsdp.all_reduce_sum(torch.tensor([tokens, float(batch.num_samples)]), self.device)
+        return LossNormalizer(global_num_tokens=max(float(sums[0]), 1.0),
+                              global_num_seqs=max(float(sums[1]), 1.0),
+                              max_response_length=self.spec.data.max_response_length)
+
+    def _micro_loss(self, mb: model_ops.MicroBatch, norm: LossNormalizer, on_policy: bool):
+        alg = self.spec.algorithm
+        log_probs, entropy = model_ops.forward_log_probs(
+            self.model, mb, self.spec.rollout.temperature, True, self.spec.model.mixed_precision)
+        mask = mb.response_mask.to(log_probs.device)
+        old = log_probs.detach() if on_policy else model_ops.window_field(mb, "old_log_probs")
+        adv = model_ops.window_field(mb, "advantages")
+        out = get_policy_loss_fn(alg.policy_loss)(
+            old.to(log_probs.device), log_probs, adv.to(log_probs.device), mask,
+            PolicyLossParams(alg.clip_ratio_low, alg.clip_ratio_high, alg.clip_ratio_c))
+        pg_loss = aggregate_loss(out.pg_losses, mask, alg.loss_agg_mode, norm)
+        loss = pg_loss
+        stats = {"actor/pg_loss": pg_loss.detach(), "actor/pg_clipfrac": out.clipfrac,
+                 "actor/ppo_kl": out.approx_kl, "actor/pg_clipfrac_lower": out.clipfrac_lower}
+        ent = aggregate_loss(entropy, mask, alg.loss_agg_mode, norm)
+        stats["actor/entropy"] = ent.detach()
+        if alg.entropy_coeff > 0:
+            loss = loss - alg.entropy_coeff * ent
+        if alg.use_kl_loss:
+            ref = model_ops.window_field(mb, "ref_log_probs").to(log_probs.device)
+            kl = get_kl_estimator(alg.kl_loss_type)(log_probs, ref)
+            kl_loss = aggregate_loss(kl, mask, alg.loss_agg_mode, norm)
+            loss = loss + alg.kl_loss_coef * kl_loss
+            stats["actor/kl_loss"] = kl_loss.detach()
+        return loss, stats, float(mask.sum())
+
+    def update(self, batch: PackedBatch, metrics) -> None:
+        """Train on this rank's part of the step's batch; record metrics into ``metrics``.
+
+        Loss metrics are shares of each mini-batch's global loss (summed over
+        ranks, averaged over mini-batches); the rest are token-weighted means.
+        """
+        a = self.spec.actor
+        mini = a.ppo_mini_batch_size or self.spec.data.train_batch_size
+        num_minis = self.spec.data.train_batch_size // mini
+        on_policy = a.ppo_epochs == 1 and num_minis == 1
+        per_mini = -(-batch.num_samples // num_minis)
+        num_steps = a.ppo_epochs * num_minis
+        self.model.train()
+        for _ in range(a.ppo_epochs):
+            for m in range(num_minis):
+                part = batch.select(range(m * per_mini, min(batch.num_samples, (m + 1) * per_mini)))
+                self._optimizer_step(part, on_policy, metrics, num_steps)
+
+    def _optimizer_step(self, part: PackedBatch, on_policy: bool, metrics, num_steps: int) -> None:
+        norm = self._global_counts(part)
+        for chunk in model_ops.split_micro_batches(part, self.spec.actor.micro_batch_size):
+            mb = model_ops.collate(chunk, self.pad_token_id)
+            loss, stats, ntok = self._micro_loss(mb, norm, on_policy)
+            (loss * self.dp_size).backward()
+            for k, v in stats.items():
+                if k in _LOSS_SHARES:
+                    metrics.add_sum(k, float(v) / num_steps)
+                else:
+                    metrics.add_mean(k, float(v) * ntok, ntok)
+        grad_norm = fsdp.grad_norm_and_clip(self.model, self.spec.actor.grad_clip)
+        if torch.isfinite(torch.tensor(grad_norm)):
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        # Same value on every rank: average it, do not sum it.
+        metrics.add_mean("actor/grad_norm", grad_norm, 1.0)
+        metrics.add_mean("actor/lr", self.optimizer.param_groups[0]["lr"], 1.0)
+
+    def sync_rollout(self, rollout_model: torch.nn.Module) -> int:
+        """All-gather the updated weights into the rollout copy; bytes gathered."""
+        return fsdp.sync_rollout_weights(self.model, rollout_model)
+

@@ -1,0 +1,15 @@
+"""Errors a user can cause. No torch import here."""
+
+from __future__ import annotations
+
+
+class DistflowConfigError(ValueError):
+    """A job spec or local run config that can never work.
+
+    Raised before any worker starts. The message names each offending field by
+    its path (``spec.data.trainBatchSize``) and says how to fix it.
+    """
+
+    def __init__(self, problems: list[str] | str):
+        self.problems = [problems] if isinstance(problems, str) else list(problems)
+        super().__init__("invalid job spec:\n" + "\n".join(f"  - {p}" for p in self.problems))

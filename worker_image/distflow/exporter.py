@@ -1,0 +1,66 @@
+"""Prometheus metrics of one node, served by the node's first worker.
+
+All series carry ``job`` (the RLPostTrainJob or run name) and ``node``
+labels. Per-rank transfer counters carry ``rank`` too. Names follow
+Prometheus conventions: ``_total`` for counters, ``_seconds`` / ``_bytes``
+units in the name.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
+
+STEP_GAUGES = {
+    "perf/throughput": ("distflow_throughput_tokens_per_second",
+                        "Tokens (prompt+response) per second per accelerator (verl's definition)"),
+    "critic/score/mean": ("distflow_reward_mean", "Mean reward of the step's responses"),
+    "actor/kl_loss": ("distflow_kl", "KL(actor || reference) loss of the step"),
+    "actor/entropy": ("distflow_entropy", "Mean token entropy of the actor"),
+    "actor/pg_loss": ("distflow_policy_loss", "Policy-gradient loss of the step"),
+    "actor/grad_norm": ("distflow_grad_norm", "Global gradient norm before clipping"),
+    "response_length/mean": ("distflow_response_length_tokens", "Mean response length"),
+    "data/balance_imbalance": ("distflow_balance_imbalance_ratio",
+                               "Max/mean token cost per dp rank after balancing"),
+    "timing_s/step": ("distflow_step_duration_seconds", "Wall time of the last step"),
+}
+
+
+class NodeExporter:
+    """Registers distflow_* series and serves them on ``port`` (0: not served)."""
+
+    def __init__(self, job: str, node: int, port: int):
+        self.registry = CollectorRegistry()
+        self.labels = {"job_name": job, "node": str(node)}
+        names = list(self.labels)
+        self.step = Gauge("distflow_step", "Last completed training step", names, registry=self.registry)
+        self.tokens = Counter("distflow_tokens", "Prompt+response tokens trained on (whole job)",
+                              names, registry=self.registry)
+        self.stage = Gauge("distflow_stage_duration_seconds", "Wall time of a stage in the last step",
+                           names + ["stage"], registry=self.registry)
+        self.gauges = {key: Gauge(name, doc, names, registry=self.registry)
+                       for key, (name, doc) in STEP_GAUGES.items()}
+        self.bytes = Counter("distflow_redistributed_bytes", "Bytes sent by a rank's data plane",
+                             names + ["rank", "edge"], registry=self.registry)
+        self.cache_hits = Counter("distflow_local_cache_hits", "Edges that moved zero bytes",
+                                  names, registry=self.registry)
+        self.exchanges = Counter("distflow_edge_exchanges", "Edges crossed (cache hit or transfer)",
+                                 names, registry=self.registry)
+        if port:
+            start_http_server(port, registry=self.registry)
+
+    def observe_step(self, step: int, metrics: dict[str, float], rank_bytes: dict[tuple[int, str], float],
+                     num_tokens: float, cache_hits: float, exchanges: float) -> None:
+        """Update every series from one step's global metrics and this node's ranks' bytes."""
+        lab = self.labels
+        self.step.labels(**lab).set(step)
+        self.tokens.labels(**lab).inc(num_tokens)
+        for key, value in metrics.items():
+            if key.startswith("timing_s/"):
+                self.stage.labels(**lab, stage=key.removeprefix("timing_s/")).set(value)
+        for key, gauge in self.gauges.items():
+            if key in metrics:
+                gauge.labels(**lab).set(metrics[key])
+        for (rank, edge), value in rank_bytes.items():
+            self.bytes.labels(**lab, rank=str(rank), edge=edge).inc(value)
+        self.cache_hits.labels(**lab).inc(cache_hits)
+        self.exchanges.labels(**lab).inc(exchanges)

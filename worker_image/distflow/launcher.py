@@ -1,0 +1,161 @@
+"""Launchers: how the DAG workers come to exist.
+
+- ``local`` (``distflow run``): ``numNodes x procsPerNode`` worker processes
+  on this machine; a "node" is a group of processes with its own node buffer.
+- ``env`` (``distflow node``, what a pod runs): this node's workers, from the
+  torchrun-style variables the operator sets: PET_NNODES, PET_NODE_RANK,
+  PET_NPROC_PER_NODE, MASTER_ADDR, MASTER_PORT.
+
+The model is resolved (converted from GGUF, built, or found) once per node
+before any worker starts, so a bad model path fails before training starts.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import replace
+from pathlib import Path
+
+from distflow.errors import DistflowConfigError
+from distflow.spec import JobSpec
+
+EXIT_OK = 0
+EXIT_FAILED = 1
+EXIT_INVALID_CONFIG = 2  # the operator fails fast on this: retrying cannot help
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def resolve_model_dir(spec: JobSpec) -> str:
+    """Local directory of the model (converting/building into the cache once).
+
+    Raises:
+        DistflowConfigError: the model path cannot be resolved.
+    """
+    from distflow.models import resolve_model
+    from distflow.worker import model_cache_dir
+
+    try:
+        return str(resolve_model(spec.model.path, model_cache_dir()))
+    except (ValueError, FileNotFoundError) as err:
+        raise DistflowConfigError(f"spec.model.path: {err}") from None
+
+
+def _local_worker_main(index: int, spec: JobSpec, base, with_progress: bool):
+    """Worker ``index`` of a local run: node = index // procsPerNode."""
+    from distflow.worker import run_worker
+
+    per_node = spec.cluster.procs_per_node
+    node_rank, local_rank = divmod(index, per_node)
+    port = base.metrics_port + node_rank if base.metrics_port and local_rank == 0 else 0
+    env = replace(base, rank=index, local_rank=local_rank, node_rank=node_rank, metrics_port=port)
+    progress = _progress_printer(spec) if with_progress and index == 0 else None
+    run_worker(spec, env, progress)
+
+
+def launch_local(spec: JobSpec, job_name: str, resume: bool = True, progress: bool = True) -> None:
+    """Run the whole job on this machine (blocks until every worker exits).
+
+    Raises:
+        DistflowConfigError: before any worker starts, if the model cannot be resolved.
+        torch.multiprocessing.ProcessRaisedException: a worker failed (the others are stopped).
+    """
+    import torch.multiprocessing as mp
+
+    from distflow.worker import WorkerEnv
+
+    model_dir = resolve_model_dir(spec)
+    cluster = spec.cluster
+    # Every worker shares this machine: local_world_size counts them all (CPU threads per worker).
+    base = WorkerEnv(rank=0, world_size=spec.world_size, local_rank=0,
+                     local_world_size=spec.world_size, node_rank=0, num_nodes=cluster.num_nodes,
+                     master_addr="127.0.0.1", master_port=free_port(), job_name=job_name,
+                     model_dir=model_dir, resume=resume, metrics_port=spec.trainer.metrics_port)
+    mp.spawn(_local_worker_main, args=(spec, base, progress), nprocs=spec.world_size, join=True)
+
+
+def node_env_from_environ(environ=os.environ) -> dict[str, int | str]:
+    """The torchrun-style variables a pod gets from the operator.
+
+    Raises:
+        DistflowConfigError: a variable is missing or not an integer.
+    """
+    out: dict[str, int | str] = {}
+    for name in ("PET_NNODES", "PET_NODE_RANK", "PET_NPROC_PER_NODE", "MASTER_PORT"):
+        raw = environ.get(name)
+        if raw is None or not raw.strip().isdigit():
+            raise DistflowConfigError(f"env {name}: expected an integer, got {raw!r}; the operator sets it")
+        out[name] = int(raw)
+    addr = environ.get("MASTER_ADDR")
+    if not addr:
+        raise DistflowConfigError("env MASTER_ADDR: missing; the operator sets it to node 0's DNS name")
+    out["MASTER_ADDR"] = addr
+    return out
+
+
+def launch_node(spec: JobSpec, job_name: str, environ=os.environ) -> None:
+    """Start this node's workers from the pod's environment (blocks).
+
+    Raises:
+        DistflowConfigError: env and spec disagree (numNodes, procsPerNode) or
+            the model cannot be resolved.
+    """
+    import torch.multiprocessing as mp
+
+    from distflow.worker import WorkerEnv
+
+    env = node_env_from_environ(environ)
+    nnodes, node_rank, nproc = env["PET_NNODES"], env["PET_NODE_RANK"], env["PET_NPROC_PER_NODE"]
+    if nnodes != spec.cluster.num_nodes or nproc != spec.cluster.procs_per_node:
+        raise DistflowConfigError(
+            f"env PET_NNODES={nnodes}, PET_NPROC_PER_NODE={nproc} disagree with spec.cluster "
+            f"(numNodes={spec.cluster.num_nodes}, procsPerNode={spec.cluster.procs_per_node})")
+    if not 0 <= node_rank < nnodes:
+        raise DistflowConfigError(f"env PET_NODE_RANK={node_rank}: must be in [0, {nnodes})")
+    model_dir = resolve_model_dir(spec)
+    port = int(environ.get("DISTFLOW_METRICS_PORT", spec.trainer.metrics_port or 0))
+    base = WorkerEnv(rank=node_rank * nproc, world_size=nnodes * nproc, local_rank=0,
+                     local_world_size=nproc, node_rank=node_rank, num_nodes=nnodes,
+                     master_addr=str(env["MASTER_ADDR"]), master_port=int(env["MASTER_PORT"]),
+                     job_name=job_name, model_dir=model_dir, metrics_port=0)
+    mp.spawn(_node_worker_main, args=(spec, base, nproc, port), nprocs=nproc, join=True)
+
+
+def _node_worker_main(local_rank: int, spec: JobSpec, base, nproc: int, port: int):
+    from distflow.worker import run_worker
+
+    # Only the node's first worker serves metrics, on the pod's port.
+    env = replace(base, rank=base.rank + local_rank, local_rank=local_rank,
+                  metrics_port=port if local_rank == 0 else 0)
+    run_worker(spec, env, None)
+
+
+def _progress_printer(spec: JobSpec):
+    """A rich progress bar on rank 0 with the headline metrics."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    bar = Progress(TextColumn("[bold]step"), MofNCompleteColumn(), BarColumn(), TimeElapsedColumn(),
+                   TextColumn("{task.fields[info]}"))
+    task = bar.add_task("train", total=spec.trainer.total_steps, info="")
+    bar.start()
+
+    def update(step: int, metrics: dict) -> None:
+        info = (f"reward {metrics.get('critic/score/mean', float('nan')):.3f}  "
+                f"tok/s {metrics.get('perf/throughput', 0):.0f}  "
+                f"step {metrics.get('timing_s/step', 0):.1f}s")
+        if "eval/score" in metrics:
+            info += f"  eval {metrics['eval/score']:.3f}"
+        bar.update(task, completed=step, info=info)
+        if step >= spec.trainer.total_steps:
+            bar.stop()
+
+    return update
+
+
+def job_name_for(config_path: str | Path) -> str:
+    return os.environ.get("DISTFLOW_JOB_NAME") or Path(config_path).stem

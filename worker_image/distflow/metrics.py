@@ -1,0 +1,101 @@
+"""Step metrics: local sums reduced once per step, then JSONL and Prometheus.
+
+Names follow verl (``timing_s/<stage>``, ``perf/throughput``,
+``actor/pg_loss``, ``critic/score/mean``, ``response_length/mean``) plus the
+data plane's (``data/bytes_sent/<edge>``, ``data/cache_hits``,
+``data/balance_imbalance``).
+
+Throughput keeps verl's definition: (prompt + response tokens of the step) /
+(step time x number of accelerators, here workers).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+
+class StepMetrics:
+    """Accumulates one step's metrics on one rank; ``reduce`` makes them global.
+
+    Every rank must add the same keys in any order (they run the same chain).
+    """
+
+    def __init__(self) -> None:
+        self._means: dict[str, list[float]] = {}
+        self._sums: dict[str, float] = {}
+        self._maxes: dict[str, float] = {}
+        self._timings: dict[str, float] = {}
+
+    def add_mean(self, name: str, total, count) -> None:
+        s = self._means.setdefault(name, [0.0, 0.0])
+        s[0] += float(total)
+        s[1] += float(count)
+
+    def add_sum(self, name: str, value) -> None:
+        self._sums[name] = self._sums.get(name, 0.0) + float(value)
+
+    def add_max(self, name: str, value) -> None:
+        self._maxes[name] = max(self._maxes.get(name, -math.inf), float(value))
+
+    def add_min(self, name: str, value) -> None:
+        self.add_max(f"{name}\0neg", -float(value))
+
+    @contextmanager
+    def timer(self, stage: str):
+        """Wall seconds of a stage on this rank; reduced as the max over ranks."""
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            key = f"timing_s/{stage}"
+            self._timings[key] = self._timings.get(key, 0.0) + time.perf_counter() - start
+
+    def reduce(self, device: torch.device) -> dict[str, float]:
+        """Global metrics: means weighted by counts, sums summed, max/min/timings extremal."""
+        mean_keys, sum_keys = sorted(self._means), sorted(self._sums)
+        max_keys = sorted(self._maxes) + sorted(self._timings)
+        sums = torch.tensor([v for k in mean_keys for v in self._means[k]] +
+                            [self._sums[k] for k in sum_keys], dtype=torch.float64)
+        maxes = torch.tensor([self._maxes[k] for k in sorted(self._maxes)] +
+                             [self._timings[k] for k in sorted(self._timings)], dtype=torch.float64)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            sums, maxes = sums.to(device), maxes.to(device)
+            dist.all_reduce(sums)
+            dist.all_reduce(maxes, op=dist.ReduceOp.MAX)
+            sums, maxes = sums.cpu(), maxes.cpu()
+        out: dict[str, float] = {}
+        for i, k in enumerate(mean_keys):
+            total, count = float(sums[2 * i]), float(sums[2 * i + 1])
+            out[k] = total / count if count else 0.0
+        for j, k in enumerate(sum_keys):
+            out[k] = float(sums[2 * len(mean_keys) + j])
+        for j, k in enumerate(max_keys):
+            if k.endswith("\0neg"):
+                out[k.removesuffix("\0neg")] = -float(maxes[j])
+            else:
+                out[k] = float(maxes[j])
+        return out
+
+
+class JsonlWriter:
+    """Appends one JSON object per step to ``<log_dir>/metrics.jsonl`` (rank 0 only)."""
+
+    def __init__(self, log_dir: str | Path):
+        self.path = Path(log_dir) / "metrics.jsonl"
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+
+    def write(self, record: dict) -> None:
+        with self.path.open("a") as f:
+            f.write(json.dumps(record, sort_keys=True) + "\n")
+
+
+def read_jsonl(path: str | Path) -> list[dict]:
+    """All records of a metrics.jsonl file."""
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]

