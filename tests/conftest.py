@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 
+@pytest.hookimpl(trylast=True)  # after -m deselection, so torch loads only for selected gpu tests
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     if "bench" not in (config.getoption("markexpr") or ""):
         skip_bench = pytest.mark.skip(reason="benchmark: run with -m bench")

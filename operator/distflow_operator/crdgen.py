@@ -19,7 +19,7 @@ The pydantic JSON schema becomes a Kubernetes structural schema:
   ``additionalProperties: false`` is dropped (structural schemas forbid it).
 
 CEL rules (``x-kubernetes-validations``) add what a schema cannot say: the
-spec's cross-field size checks (same messages as ``distflow.spec``), fields
+spec's cross-field size checks (same fields and fixes as ``distflow.spec``), fields
 that may not change while the job exists, pod-template env names the operator
 owns, and a metadata.name short enough for ``<name>-node-<rank>``. Anything
 the generator cannot express raises, so a spec change never silently weakens
@@ -29,6 +29,7 @@ the CRD.
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -79,19 +80,19 @@ _MINI = "self.actor.ppoMiniBatchSize"
 _BATCH = "self.data.trainBatchSize"
 
 SPEC_RULES: list[dict[str, str]] = [
-    # Mirrors distflow.spec._size_problems; the operator tier asserts both give the same message.
+    # Mirror distflow.spec._size_problems: same fields, same fixes. The numbers stay in
+    # pydantic's messages only: a messageExpression with string(int) exceeds the API
+    # server's CEL cost budget (it estimates such strings as unbounded).
     {"rule": f"{_TP} < 1 || {_WORLD} % {_TP} == 0",
-     "messageExpression": f"'rollout.tensorParallelSize: ' + string({_TP}) + ' does not divide the ' + "
-                          f"string({_WORLD}) + ' workers (cluster.numNodes x cluster.procsPerNode); "
-                          f"pick a divisor of ' + string({_WORLD})",
+     "message": "rollout.tensorParallelSize: must divide the workers (cluster.numNodes x "
+                "cluster.procsPerNode); pick a divisor of that product",
      "fieldPath": ".rollout.tensorParallelSize", "reason": "FieldValueInvalid"},
     {"rule": f"{_TP} < 1 || {_BATCH} % {_DP} == 0",
-     "messageExpression": f"'data.trainBatchSize: ' + string({_BATCH}) + ' prompts cannot be split evenly "
-                          f"over ' + string({_DP}) + ' rollout dp ranks; use a multiple of ' + string({_DP})",
+     "message": "data.trainBatchSize: prompts cannot be split evenly over the rollout dp ranks "
+                "(cluster.numNodes x cluster.procsPerNode / rollout.tensorParallelSize); use a multiple of them",
      "fieldPath": ".data.trainBatchSize", "reason": "FieldValueInvalid"},
     {"rule": f"!has({_MINI}) || {_MINI} < 1 || {_BATCH} % {_MINI} == 0",
-     "messageExpression": f"'actor.ppoMiniBatchSize: ' + string({_MINI}) + ' does not divide "
-                          f"data.trainBatchSize=' + string({_BATCH}) + '; use a divisor of ' + string({_BATCH})",
+     "message": "actor.ppoMiniBatchSize: does not divide data.trainBatchSize; use a divisor of it",
      "fieldPath": ".actor.ppoMiniBatchSize", "reason": "FieldValueInvalid"},
     {"rule": f"self.rollout.engine != 'hf' || {_TP} == 1",
      "message": "rollout.tensorParallelSize: the hf engine runs with 1; set it to 1 or use engine vllm",
@@ -247,8 +248,16 @@ def build_crd() -> dict[str, Any]:
     }
 
 
+class _GoSafeDumper(yaml.SafeDumper):
+    """Quotes y/Y/n/N too: Go's YAML 1.1 parser (kubectl, the API server) reads them as
+    booleans, so an unquoted ``n:`` property (rollout.n) would arrive as ``false``."""
+
+
+_GoSafeDumper.add_implicit_resolver("tag:yaml.org,2002:bool", re.compile(r"^(?:y|Y|n|N)$"), list("yYnN"))
+
+
 def render_crd_yaml() -> str:
-    return HEADER + yaml.safe_dump(build_crd(), sort_keys=False, width=1000)
+    return HEADER + yaml.dump(build_crd(), Dumper=_GoSafeDumper, sort_keys=False, width=1000)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -60,6 +60,8 @@ def configure(settings: kopf.OperatorSettings) -> None:
     # Our own Events come from the reconciler; kopf posts only its warnings and errors.
     settings.posting.level = logging.WARNING
     settings.posting.reporting_component = MANAGER
+    # kopf logs every event handler's success at INFO: one line per pod event is noise.
+    logging.getLogger("kopf.objects").setLevel(logging.WARNING)
     # Watches end and re-list every few minutes: a silently stalled stream heals itself.
     settings.watching.server_timeout = 300
     settings.watching.client_timeout = 330

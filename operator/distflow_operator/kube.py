@@ -53,21 +53,31 @@ def use_kubeconfig() -> bool:
 
 
 def client_configuration() -> k8s.Configuration:
+    """Client settings from the credentials :func:`use_kubeconfig` picks.
+
+    The kubeconfig path is read from the environment now, not when the
+    ``kubernetes`` package was imported (its default is frozen at import).
+    """
     cfg = k8s.Configuration()
     if use_kubeconfig():
-        k8s_config.load_kube_config(client_configuration=cfg)
+        k8s_config.load_kube_config(config_file=os.environ.get("KUBECONFIG") or None, client_configuration=cfg)
     else:
         k8s_config.load_incluster_config(client_configuration=cfg)
     return cfg
 
 
-def kopf_login(**kwargs: Any):
-    """kopf login handler with the same preference as :func:`client_configuration`."""
+def kopf_login(**_: Any):
+    """kopf login handler: kopf's watches use the same credentials as :class:`KubeApi`
+    (kubeconfig exec plugins and client certificates included)."""
     import kopf
 
-    if use_kubeconfig():
-        return kopf.login_with_kubeconfig(**kwargs)
-    return kopf.login_with_service_account(**kwargs)
+    cfg = client_configuration()
+    header = cfg.get_api_key_with_prefix("BearerToken") or cfg.get_api_key_with_prefix("authorization")
+    scheme, _, token = header.rpartition(" ") if header else ("", "", "")
+    return kopf.ConnectionInfo(
+        server=cfg.host, ca_path=cfg.ssl_ca_cert, insecure=not cfg.verify_ssl,
+        scheme=scheme or None, token=token or None,
+        certificate_path=cfg.cert_file, private_key_path=cfg.key_file)
 
 
 def collection_path(api_version: str, kind: str, namespace: str) -> str:

@@ -197,7 +197,7 @@ def decide(job: JobView, pods: Sequence[PodView], now: datetime,
     """What to do for ``job`` given its observed node pods (only pods it controls).
 
     Args:
-        lost: names of current-attempt pods seen earlier that are gone now.
+        lost: names of pods of the status's attempt seen earlier that are gone now.
     """
     state = run_state(job.status, pods)
     prev_phase = job.status.get("phase")
@@ -212,6 +212,7 @@ def decide(job: JobView, pods: Sequence[PodView], now: datetime,
         return Decision(state, suspended=True, delete_pods=tuple(p for p in pods if not p.deleting))
     if prev_phase == "Suspended" and state.start_time is not None:
         state = replace(state, attempt=state.attempt + 1, start_time=None)
+        lost = ()  # the pods the suspension deleted belong to the previous attempt
     past_deadline, deadline_left = _deadline(job, state, now)
     if past_deadline:
         return _finish(job, pods, state, now, past_deadline)

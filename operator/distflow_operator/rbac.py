@@ -1,10 +1,12 @@
 """The RBAC rules the operator's ServiceAccount needs, and nothing more.
 
-The helm chart's (Cluster)Role should carry exactly ``OPERATOR_RULES``; the
-operator tier runs the operator with a ServiceAccount token bound to them, so a
-rule missing here fails a test. ``KOPF_DISCOVERY_RULES`` only matter when the
-operator watches all namespaces (kopf follows namespaces and CRDs appearing);
-a namespaced install may leave them out and kopf just logs that it cannot.
+The helm chart's ClusterRole should carry exactly ``OPERATOR_RULES`` plus
+``KOPF_DISCOVERY_RULES``; the operator tier runs the operator with a
+ServiceAccount token bound to them (the first set by a RoleBinding in one
+namespace, the second cluster-wide), so a rule missing here fails a test. The
+discovery rules are read-only and cluster-scoped: kopf lists and watches
+namespaces and CRDs even when it serves one namespace, and without them it
+retries for about a minute before falling back.
 
 What is deliberately absent: no ``update`` anywhere (status and ConfigMaps are
 patched), no ``patch`` on jobs (the operator never writes spec or metadata), no

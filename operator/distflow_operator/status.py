@@ -59,7 +59,7 @@ class Progress(_Status):
     total_steps: int | None = None
     """spec.trainer.totalSteps."""
     tokens_per_second: float | None = None
-    """Throughput reported by node 0 (tokens/s)."""
+    """Tokens (prompt+response) per second per accelerator, verl's definition, as node 0 reports it."""
     last_checkpoint_step: int | None = None
     """Step of the newest complete checkpoint."""
 

@@ -30,10 +30,18 @@ if have_all; then
   exit 0
 fi
 
+mkdir -p "${cache_root}"
+# One build at a time per cache key: a second caller waits, then finds the binaries.
+exec 9>"${cache_root}/${key}.lock"
+flock 9
+if have_all; then
+  echo "${bin_dir}"
+  exit 0
+fi
+
 export CGO_ENABLED=0
 # -mod=mod lets the generated modules resolve their requirements from go.mod.
 export GOFLAGS="-mod=mod -buildvcs=false"
-export GOTOOLCHAIN="${GOTOOLCHAIN:-local}"
 mkdir -p "${bin_dir}" "${work_dir}"
 
 log() { echo "[build.sh $(date +%H:%M:%S)] $*" >&2; }

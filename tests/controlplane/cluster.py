@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import atexit
 import base64
+import ctypes
 import json
 import os
 import shutil
@@ -23,6 +24,7 @@ import ssl
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -74,12 +76,20 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _die_with_parent() -> None:
-    # Children get SIGTERM if the test process dies without running stop().
-    if sys.platform.startswith("linux"):
-        import ctypes
+_LIBC = ctypes.CDLL("libc.so.6", use_errno=True) if sys.platform.startswith("linux") else None
 
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+def _die_with_parent() -> None:
+    # Children die if the test process is killed without running stop(). SIGKILL:
+    # a kube-apiserver whose etcd got SIGTERM too retries instead of exiting.
+    # Runs between fork and exec: no imports, no allocation-heavy Python here.
+    if _LIBC is not None:
+        _LIBC.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
+def _pdeathsig_hook():
+    # PDEATHSIG fires when the forking *thread* exits, so only fork from main.
+    return _die_with_parent if threading.current_thread() is threading.main_thread() else None
 
 
 def _openssl(*args: str, cwd: Path) -> None:
@@ -173,7 +183,7 @@ class ControlPlane:
         self._procs: list[tuple[str, subprocess.Popen, Path]] = []
         self._ssl: ssl.SSLContext | None = None
 
-    def __enter__(self) -> "ControlPlane":
+    def __enter__(self) -> ControlPlane:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:
@@ -181,7 +191,7 @@ class ControlPlane:
 
     # -- lifecycle -------------------------------------------------------
 
-    def start(self) -> "ControlPlane":
+    def start(self) -> ControlPlane:
         """Start all components, create the fake nodes, wait until they are Ready."""
         self.workdir = Path(tempfile.mkdtemp(prefix="distflow-cp-"))
         atexit.register(self.stop)
@@ -201,18 +211,21 @@ class ControlPlane:
         return self
 
     def stop(self, keep_workdir: bool = False) -> None:
-        """Stop every started process by pid, newest first; idempotent."""
-        for name, proc, _ in reversed(self._procs):
+        """Stop every started process by pid, newest first; idempotent.
+
+        One at a time, so the API server drains while etcd is still up
+        (with etcd gone it retries until killed).
+        """
+        for _, proc, _ in reversed(self._procs):
             if proc.poll() is None:
                 proc.terminate()
-        deadline = time.monotonic() + self.stop_timeout_s
-        for name, proc, _ in reversed(self._procs):
-            try:
-                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+                try:
+                    proc.wait(timeout=self.stop_timeout_s)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
         self._procs.clear()
+        atexit.unregister(self.stop)
         keep = keep_workdir or os.environ.get("DISTFLOW_KEEP_CONTROLPLANE") == "1"
         if self.workdir is not None and not keep:
             shutil.rmtree(self.workdir, ignore_errors=True)
@@ -224,7 +237,7 @@ class ControlPlane:
         with open(log_path, "wb") as log:
             proc = subprocess.Popen([str(self.bin_dir / name), *args], stdout=log,
                                     stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                    cwd=self.workdir, preexec_fn=_die_with_parent)
+                                    cwd=self.workdir, preexec_fn=_pdeathsig_hook())  # noqa: PLW1509
         self._procs.append((name, proc, log_path))
         return proc
 
@@ -284,7 +297,9 @@ class ControlPlane:
             f"--service-account-signing-key-file={w / 'sa.key'}",
             f"--token-auth-file={w / 'tokens.csv'}", "--authorization-mode=Node,RBAC",
             f"--service-cluster-ip-range={SERVICE_CIDR}", "--allow-privileged=true",
-            "--v=1",
+            # A loopback advertise address is refused by the endpoint reconciler;
+            # nothing runs in-cluster, so the `kubernetes` Service needs no endpoints.
+            "--endpoint-reconciler-type=none", "--v=1",
         ])
         self.kubeconfig = self.workdir / "admin.kubeconfig"
         self.kubeconfig.write_text(kubeconfig_text(self.server, self.ca_file, self.token))
@@ -384,7 +399,7 @@ class ControlPlane:
 
     def api_client(self, token: str | None = None):
         """A `kubernetes.client.ApiClient` for this cluster (admin unless `token`)."""
-        from kubernetes import client, config
+        from kubernetes import config
 
         path = self.kubeconfig
         if token is not None:

@@ -59,7 +59,7 @@ def test_swap_never_touches_the_entries(num_entries):
 def test_old_generation_is_freed_on_the_background_thread():
     Tracked.freed_in = []
     buffer = DoubleBuffer()
-    for step in range(3):
+    for _step in range(3):
         for k in range(100):
             buffer.put(("logits", k), Tracked())
         buffer.swap()

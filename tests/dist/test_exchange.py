@@ -39,7 +39,10 @@ def make_sample(gid: int) -> dict:
 
 def make_batch(gids) -> PackedBatch:
     samples = [make_sample(g) for g in gids]
-    cat = lambda name, empty: torch.cat([s[name] for s in samples]) if samples else empty
+
+    def cat(name, empty):
+        return torch.cat([s[name] for s in samples]) if samples else empty
+
     return PackedBatch(
         seq_lens=torch.tensor([s["seq_len"] for s in samples], dtype=torch.int64),
         token_fields={

@@ -10,6 +10,7 @@
 
 import json
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -38,7 +39,8 @@ def _spec(tmp_path, name, **over):
     doc = {
         "model": {"path": "tiny"},
         "data": {"train": {"path": _varied_prompts(tmp_path / "train.jsonl")}, "trainBatchSize": 4,
-                 "maxPromptLength": 96, "maxResponseLength": 6, "shuffle": True},
+                 "maxPromptLength": 96, "maxResponseLength": 6, "shuffle": True,
+                 "rewardFn": f"{Path(__file__).with_name('toy_rewards.py')}:distinct_chars"},
         "rollout": {"n": 2, "temperature": 1.0},
         "algorithm": {"useKlLoss": True, "klLossCoef": 0.01},
         "actor": {"lr": 1e-3, "microBatchSize": 3},

@@ -77,6 +77,8 @@ def test_dependent_of_deleted_owner_is_garbage_collected(control_plane, k8s_name
     child = {"metadata": {"name": "child", "ownerReferences": [{
         "apiVersion": "v1", "kind": "ConfigMap", "name": "owner", "uid": owner["metadata"]["uid"]}]}}
     control_plane.request("POST", base, child, expect=(201,))
+    time.sleep(1)  # the collector must leave a dependent of a live owner alone
+    assert control_plane.request("GET", f"{base}/child")[0] == 200
 
     control_plane.request("DELETE", f"{base}/owner", expect=(200,))
     wait_for(lambda: control_plane.request("GET", f"{base}/child")[0] == 404)

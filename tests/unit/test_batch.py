@@ -50,12 +50,18 @@ def test_select_keeps_the_given_order_and_allows_repeats():
     assert empty.num_samples == 0 and empty.token_fields["log_probs"].shape == (0,)
 
 
-def test_token_index_matches_a_loop():
-    batch = PackedBatch(seq_lens=torch.tensor([3, 0, 1, 4, 2]))
+def test_row_ranges_merge_adjacent_samples_and_match_a_loop():
+    batch = PackedBatch(seq_lens=torch.tensor([3, 0, 1, 4, 2]),
+                        token_fields={"t": torch.arange(10)}, sample_fields={"s": torch.arange(5)})
+    order = [3, 4, 0, 1, 2, 3]
+    # runs 3-4 and 0-1-2-3; token offsets from cu_seqlens [0, 3, 3, 4, 8, 10]
+    assert batch.row_ranges(order) == [(3, 5, 4, 10), (0, 4, 0, 8)]
     cu = batch.cu_seqlens(torch.int64).tolist()
-    order = [3, 1, 0, 4, 3]
     expected = [t for i in order for t in range(cu[i], cu[i + 1])]
-    assert batch.token_index(order).tolist() == expected
+    assert batch.gather_field("t", batch.row_ranges(order)).tolist() == expected
+    assert batch.gather_field("s", batch.row_ranges(order)).tolist() == order
+    with pytest.raises(ValueError, match="sample index 5 is out of range"):
+        batch.row_ranges([5])
 
 
 def test_slice_is_a_view():
@@ -65,6 +71,11 @@ def test_slice_is_a_view():
     assert part.token_fields["input_ids"].data_ptr() == batch.token_fields["input_ids"][2:].data_ptr()
     with pytest.raises(ValueError, match="slice"):
         batch.slice(2, 4)
+
+
+def test_select_out_of_range_names_the_index():
+    with pytest.raises(ValueError, match="sample index -1"):
+        small_batch().select([0, -1])
 
 
 def test_concat_then_select_restores_the_parts():

@@ -3,6 +3,7 @@ defaults/bounds/enums/docs carried over, CEL rules and printer columns present."
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -189,3 +190,16 @@ def test_generator_refuses_what_a_structural_schema_cannot_express():
 
     with pytest.raises(ValueError, match="anyOf"):
         crdgen.model_schema(Mixed, with_defaults=True)
+
+
+def test_keys_go_yaml_reads_as_booleans_are_quoted():
+    class GoLikeLoader(yaml.SafeLoader):
+        """YAML 1.1 as Go's parser reads it: y/n are booleans too."""
+
+    GoLikeLoader.add_implicit_resolver("tag:yaml.org,2002:bool", re.compile(r"^(?:y|Y|n|N)$"),
+                                       list("yYnN"))
+    crd = yaml.load(crdgen.render_crd_yaml(), Loader=GoLikeLoader)
+    rollout = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"]["rollout"]
+    assert "n" in rollout["properties"] and False not in rollout["properties"]
+    example = yaml.load((REPO / "examples" / "rljob.yaml").read_text(), Loader=GoLikeLoader)
+    assert example["spec"]["rollout"] == {"n": 2}

@@ -186,6 +186,12 @@ def test_suspend_deletes_pods_and_resume_starts_a_new_attempt_without_a_restart(
     assert resumed.create_ranks == (0, 1) and resumed.state.start_time == NOW
 
 
+def test_pods_deleted_by_the_suspension_are_not_lost_nodes_on_resume():
+    status = {"phase": "Suspended", "attempt": 1, "startTime": ago(300)}
+    decision = decide(make_job(status), [], NOW, lost={"grpo-node-0", "grpo-node-1"})
+    assert decision.restart is None and decision.create_ranks == (0, 1) and decision.state.attempt == 2
+
+
 def test_resume_waits_for_pods_still_terminating_from_the_suspension():
     status = {"phase": "Suspended", "attempt": 1, "startTime": ago(300)}
     decision = decide(make_job(status), [pod(0, deleting=True)], NOW)

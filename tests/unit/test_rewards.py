@@ -185,7 +185,17 @@ def test_user_reward_function_errors_say_what_is_wrong(user_module):
 
 
 def test_unknown_reward_name_lists_the_choices():
-    choices = r"\['arithmetic', 'gsm8k', 'gsm8k_flexible', 'math'\]"
+    choices = r"\['arithmetic', 'arithmetic_concise', 'gsm8k', 'gsm8k_flexible', 'math'\]"
     with pytest.raises(ValueError, match=r"unknown reward 'gsm9k'.*" + choices):
         load_reward_fn("gsm9k")
     assert load_reward_fn("math") is math_reward
+
+
+@pytest.mark.parametrize("response, score", [
+    ("17", 1.0), (" 17.", 1.0), ("17\n", 1.0), ("18", 0.1), ("12 + 5 = 17", 0.5),
+    ("The answer is 17", 0.5), ("12 + 5 = 1", 0.0), ("", 0.0), ("-3", 0.1),
+])
+def test_arithmetic_concise_pays_most_for_the_asked_format(response, score):
+    from distflow.rewards import arithmetic_concise_reward
+
+    assert arithmetic_concise_reward(response, "17") == score

@@ -93,9 +93,19 @@ class DataCoordinator:
         if not self.centralized and self.node_buffer is not None:
             kwargs.update(node_of_rank=[self.plan.node_of_rank(r) for r in range(self.plan.world_size)],
                           node_buffer=self.node_buffer, step=self.step)
-        moved = run(batch, plan, None, self.counters, edge, **kwargs)
-        self.buffer.put("batch", moved)
+        wire = self._wire_device()
+        moved = run(_to_device(batch, wire), plan, None, self.counters, edge, **kwargs)
+        self.buffer.put("batch", _to_device(moved, torch.device("cpu")))
         self.placement = placement
+
+    @staticmethod
+    def _wire_device() -> torch.device:
+        """NCCL moves CUDA tensors only; gloo moves CPU tensors."""
+        import torch.distributed as dist
+
+        if dist.is_initialized() and dist.get_backend() == "nccl":
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
 
     def _target(self, placement: str, holdings, lengths: list[int], batch) -> list[list[int]]:
         layout = self.plan.layouts[placement]
@@ -127,6 +137,15 @@ class DataCoordinator:
         self.step = step
         self.placement = ROLLOUT
         self.producer = ""
+
+
+def _to_device(batch: PackedBatch, device: torch.device) -> PackedBatch:
+    """The same batch with every field on ``device`` (no copy when already there)."""
+    if batch.device == device:
+        return batch
+    return PackedBatch(seq_lens=batch.seq_lens,
+                       token_fields={k: v.to(device) for k, v in batch.token_fields.items()},
+                       sample_fields={k: v.to(device) for k, v in batch.sample_fields.items()})
 
 
 def _allgather_rows(rows: torch.Tensor) -> torch.Tensor:

@@ -95,6 +95,14 @@ class JsonlWriter:
         with self.path.open("a") as f:
             f.write(json.dumps(record, sort_keys=True) + "\n")
 
+    def write_samples(self, step: int, records, responses, scores, limit: int = 8) -> None:
+        """A few eval generations per evaluation, to read what the policy says."""
+        with (self.path.parent / "eval_samples.jsonl").open("a") as f:
+            for rec, text, score in list(zip(records, responses, scores))[:limit]:
+                prompt = rec.messages[-1]["content"]
+                f.write(json.dumps({"step": step, "prompt": prompt, "response": text,
+                                    "ground_truth": rec.ground_truth, "score": score}) + "\n")
+
 
 def read_jsonl(path: str | Path) -> list[dict]:
     """All records of a metrics.jsonl file."""

@@ -168,11 +168,39 @@ def arithmetic_reward(
     return format_score if _NUMERIC_ANSWER_RE.match(response) else 0.0
 
 
+_BARE_INTEGER_RE = re.compile(r"^\s*(-?\d[\d,]*)\s*\.?\s*$")
+
+
+def arithmetic_concise_reward(
+    response: str, ground_truth: str, extra_info: dict | None = None, *, format_score: float = 0.1
+) -> float:
+    """The arithmetic task as the prompt states it: "Answer with just the number".
+
+    - 1.0: the response is exactly the right integer (``"85"``, ``" 85."``);
+    - 0.5: the right integer ends a longer answer (``"37 + 48 = 85"``);
+    - ``format_score`` (0.1): just an integer, but the wrong one;
+    - 0.0: anything else.
+
+    The quickstart uses it: a small instruct model mostly answers with an
+    equation, which the response budget often cuts before the result. Paying
+    most for the asked-for bare number gives GRPO a within-group spread from the
+    first step, and what it teaches (follow the format, answer directly) shows
+    on the held-out set within a few dozen CPU steps.
+    """
+    match = _BARE_INTEGER_RE.match(response)
+    expected = ground_truth.strip().replace(",", "")
+    if match:
+        return 1.0 if match.group(1).replace(",", "") == expected else format_score
+    integers = _INTEGER_RE.findall(response)
+    return 0.5 if integers and integers[-1].replace(",", "") == expected else 0.0
+
+
 REWARD_FNS: dict[str, RewardFn] = {
     "gsm8k": gsm8k_reward,
     "gsm8k_flexible": partial(gsm8k_reward, method="flexible"),
     "math": math_reward,
     "arithmetic": arithmetic_reward,
+    "arithmetic_concise": arithmetic_concise_reward,
 }
 
 

@@ -71,6 +71,10 @@ class DatasetSpec(_Spec):
     this many records (None: all)."""
     seed: int = 0
     """For built-in tasks: the generator seed."""
+    min_operand: int = Field(default=10, ge=0)
+    """arithmetic task: smallest operand."""
+    max_operand: int = Field(default=99, ge=1)
+    """arithmetic task: largest operand."""
 
 
 class DataSpec(_Spec):
@@ -88,6 +92,8 @@ class DataSpec(_Spec):
     """Seeded global shuffle, identical on every rank."""
     seed: int = 0
     """Shuffle seed."""
+    system_prompt: str | None = None
+    """A system message put before every prompt (None: the chat template's default)."""
     reward_fn: str | None = None
     """Reward function: `gsm8k`, `math`, `arithmetic` or `module:function`.
     None: chosen per record by its data_source."""

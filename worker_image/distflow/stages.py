@@ -37,7 +37,7 @@ def run_rollout(worker, node: PlannedNode) -> None:
     first = worker.rollout_dp_rank * local
     group_index = [worker.step * spec.data.train_batch_size + first + i for i in range(local)]
     worker.step_records = dict(zip(group_index, records))
-    prompts = render_prompts(worker.tokenizer, records, spec.data.max_prompt_length)
+    prompts = render_prompts(worker.tokenizer, records, spec.data.max_prompt_length, spec.data.system_prompt)
     params = SamplingParams(spec.rollout.n, spec.rollout.temperature, spec.rollout.top_p,
                             spec.rollout.top_k, spec.data.max_response_length,
                             spec.rollout.micro_batch_size)

@@ -40,6 +40,7 @@ from distflow.planner import ROLLOUT, build_plan
 from distflow.rewards import compute_scores
 from distflow.spec import JobSpec
 from distflow.stages import STAGES
+from distflow.tasks import ArithmeticSource, ArithmeticTask
 
 
 @dataclass(frozen=True)
@@ -117,14 +118,12 @@ class DagWorker:
     def _build_data(self) -> None:
         spec = self.spec
         dp = self.plan.layouts[ROLLOUT].dp_size
-        train = spec.data.train
-        self.loader = ShardedPromptLoader(open_source(train.path, size=train.size, seed=train.seed),
-                                          spec.data.train_batch_size, self.rollout_dp_rank, dp,
-                                          seed=spec.data.seed, shuffle=spec.data.shuffle)
+        self.loader = ShardedPromptLoader(prompt_source(spec.data.train), spec.data.train_batch_size,
+                                          self.rollout_dp_rank, dp, seed=spec.data.seed,
+                                          shuffle=spec.data.shuffle)
         self.eval_records = []
         if spec.data.eval is not None:
-            ev = spec.data.eval
-            source = open_source(ev.path, size=ev.size, seed=ev.seed)
+            source = prompt_source(spec.data.eval)
             n = source.num_records
             mine = [i for i in range(n) if i % dp == self.rollout_dp_rank]
             self.eval_records = source.read(mine)
@@ -138,13 +137,16 @@ class DagWorker:
         """Mean reward of greedy responses on the eval set (every rank scores its share)."""
         if self.spec.data.eval is None:
             return float("nan")
-        prompts = render_prompts(self.tokenizer, self.eval_records, self.spec.data.max_prompt_length)
+        prompts = render_prompts(self.tokenizer, self.eval_records, self.spec.data.max_prompt_length,
+                                 self.spec.data.system_prompt)
         params = SamplingParams(1, 0.0, 1.0, 0, self.spec.data.max_response_length,
                                 self.spec.rollout.micro_batch_size)
         batch = generate(self.rollout_model, self.tokenizer, prompts, list(range(len(prompts))),
                          params, 0, self.device)
-        scores = compute_scores(response_texts(self.tokenizer, batch), self.eval_records,
-                                self.spec.data.reward_fn)
+        texts = response_texts(self.tokenizer, batch)
+        scores = compute_scores(texts, self.eval_records, self.spec.data.reward_fn)
+        if self.writer is not None:
+            self.writer.write_samples(self.step, self.eval_records, texts, scores)
         sums = self.global_sum(torch.tensor([sum(scores), len(scores)], dtype=torch.float64))
         return float(sums[0] / max(sums[1], 1.0))
 
@@ -233,6 +235,15 @@ class DagWorker:
         if dist.is_initialized():
             dist.barrier()
             dist.destroy_process_group()
+
+
+def prompt_source(ds):
+    """The PromptSource of a DatasetSpec (a file, or a built-in task with its difficulty)."""
+    if ds.path == "arithmetic" or ds.path.startswith("arithmetic:"):
+        task = ArithmeticTask(min_operand=ds.min_operand, max_operand=ds.max_operand)
+        return ArithmeticSource(num_records=ds.size or 4096, seed=ds.seed,
+                                split=ds.path.partition(":")[2] or "train", task=task)
+    return open_source(ds.path, size=ds.size, seed=ds.seed)
 
 
 def run_worker(spec: JobSpec, env: WorkerEnv, progress=None) -> list[dict[str, float]]:

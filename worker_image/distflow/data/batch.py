@@ -15,7 +15,9 @@ per-token for some samples and per-sample for others does not exist.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Mapping, NamedTuple, Sequence
 
 import torch
@@ -137,15 +139,44 @@ class PackedBatch:
         sample = [FieldSpec(n, SAMPLE, v.dtype, tuple(v.shape[1:])) for n, v in self.sample_fields.items()]
         return tuple(sorted(token) + sorted(sample))
 
-    def token_index(self, indices: Sequence[int]) -> torch.Tensor:
-        """[sum(seq_lens[indices])] int64 CPU: positions in token fields of the given samples, in order."""
-        idx = torch.as_tensor(list(indices), dtype=torch.int64)
-        lens = self.seq_lens[idx]
-        starts = self.cu_seqlens(torch.int64, "cpu")[:-1][idx]
-        # each selected sample contributes start, start+1, ...: arange minus the
-        # packed offset of its run, plus its original start
-        packed_starts = torch.cumsum(lens, 0) - lens
-        return torch.arange(int(lens.sum())) + torch.repeat_interleave(starts - packed_starts, lens)
+    @cached_property
+    def token_offsets(self) -> list[int]:
+        """[B + 1] ints: sample b's tokens are rows ``token_offsets[b]:token_offsets[b + 1]``."""
+        return [0, *itertools.accumulate(self.seq_lens.tolist())]
+
+    def row_ranges(self, indices: Sequence[int]) -> list[tuple[int, int, int, int]]:
+        """``indices`` as runs ``(sample_start, sample_stop, token_start, token_stop)``, in order.
+
+        Adjacent indices merge into one run, so picking contiguous samples
+        copies each field in one slice rather than per sample.
+
+        Raises:
+            ValueError: if an index is outside 0..B-1.
+        """
+        runs: list[list[int]] = []
+        for i in indices:
+            if not 0 <= i < self.num_samples:
+                raise ValueError(f"sample index {i} is out of range for B = {self.num_samples}")
+            if runs and runs[-1][1] == i:
+                runs[-1][1] += 1
+            else:
+                runs.append([i, i + 1])
+        offsets = self.token_offsets
+        return [(a, b, offsets[a], offsets[b]) for a, b in runs]
+
+    def field_rows(self, name: str, runs) -> list[torch.Tensor]:
+        """Views of field ``name`` (token or sample) for each of ``runs`` (from ``row_ranges``)."""
+        if name in self.token_fields:
+            return [self.token_fields[name][t0:t1] for _, _, t0, t1 in runs]
+        return [self.sample_fields[name][a:b] for a, b, _, _ in runs]
+
+    def gather_field(self, name: str, runs, out: torch.Tensor | None = None) -> torch.Tensor:
+        """``field_rows`` concatenated: one copy, into ``out`` (e.g. a view of a send buffer) if given."""
+        parts = self.field_rows(name, runs)
+        if not parts:
+            value = self.token_fields.get(name, self.sample_fields.get(name))
+            return value[:0].clone() if out is None else out
+        return torch.cat(parts) if out is None else torch.cat(parts, out=out)
 
     def slice(self, start: int, stop: int) -> "PackedBatch":
         """Samples ``start:stop`` as views (no copy).
@@ -155,8 +186,7 @@ class PackedBatch:
         """
         if not 0 <= start <= stop <= self.num_samples:
             raise ValueError(f"slice({start}, {stop}) is outside 0..B={self.num_samples}")
-        t0 = int(self.seq_lens[:start].sum())
-        t1 = t0 + int(self.seq_lens[start:stop].sum())
+        t0, t1 = self.token_offsets[start], self.token_offsets[stop]
         return PackedBatch(
             seq_lens=self.seq_lens[start:stop],
             token_fields={n: v[t0:t1] for n, v in self.token_fields.items()},
@@ -169,17 +199,12 @@ class PackedBatch:
         Raises:
             ValueError: if an index is out of range.
         """
-        indices = [int(i) for i in indices]
-        bad = [i for i in indices if not 0 <= i < self.num_samples]
-        if bad:
-            raise ValueError(f"select: indices {bad[:5]} out of range for B = {self.num_samples}")
-        sample_idx = torch.as_tensor(indices, dtype=torch.int64)
-        token_idx = self.token_index(indices)
-        device = self.device
+        runs = self.row_ranges([int(i) for i in indices])
+        lens = [self.seq_lens[a:b] for a, b, _, _ in runs]
         return PackedBatch(
-            seq_lens=self.seq_lens[sample_idx],
-            token_fields={n: v.index_select(0, token_idx.to(device)) for n, v in self.token_fields.items()},
-            sample_fields={n: v.index_select(0, sample_idx.to(device)) for n, v in self.sample_fields.items()},
+            seq_lens=torch.cat(lens) if lens else self.seq_lens[:0],
+            token_fields={n: self.gather_field(n, runs) for n in self.token_fields},
+            sample_fields={n: self.gather_field(n, runs) for n in self.sample_fields},
         )
 
     @classmethod

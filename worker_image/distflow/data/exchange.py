@@ -17,8 +17,9 @@ only cross-node pieces use the collective.
 comparison, arXiv 2507.13833): every rank's whole batch goes to rank 0,
 which reorders and sends each rank its part. Both return bit-identical batches.
 
-On NCCL the batch must live on the current CUDA device; node-buffer pieces
-are staged through host memory.
+gloo implements ``all_to_all_single`` for CPU tensors (uneven splits, zero
+splits), so no list-based fallback is needed. On NCCL the batch must live on
+the current CUDA device; node-buffer pieces are staged through host memory.
 """
 
 from __future__ import annotations
@@ -139,22 +140,19 @@ def _size_matrix(plan: RedistributionPlan, schema, lengths) -> list[list[int]]:
 
 
 def _pack_into(out: torch.Tensor, batch: PackedBatch, positions: Sequence[int], schema) -> None:
-    """Write the samples at ``positions`` of ``batch`` into the uint8 buffer ``out``."""
+    """Write the samples at ``positions`` of ``batch`` into the uint8 buffer ``out`` (one copy)."""
     if out.device != batch.device:
         staged = torch.empty(out.numel(), dtype=torch.uint8, device=batch.device)
         _pack_into(staged, batch, positions, schema)
         out.copy_(staged)
         return
-    sample_idx = torch.as_tensor(list(positions), dtype=torch.int64, device=batch.device)
-    token_idx = batch.token_index(positions).to(batch.device)
+    runs = batch.row_ranges(positions)
+    rows = {TOKEN: sum(t1 - t0 for _, _, t0, t1 in runs), SAMPLE: sum(b - a for a, b, _, _ in runs)}
     offset = 0
     for spec in schema:
-        is_token = spec.kind == TOKEN
-        source = (batch.token_fields if is_token else batch.sample_fields)[spec.name]
-        index = token_idx if is_token else sample_idx
-        nbytes = index.numel() * spec.row_nbytes
-        target = out[offset: offset + nbytes].view(spec.dtype).view(index.numel(), *spec.trailing_shape)
-        torch.index_select(source, 0, index, out=target)
+        nbytes = rows[spec.kind] * spec.row_nbytes
+        target = out[offset: offset + nbytes].view(spec.dtype).view(rows[spec.kind], *spec.trailing_shape)
+        batch.gather_field(spec.name, runs, out=target)
         offset += _aligned(nbytes)
 
 
@@ -185,33 +183,28 @@ def _empty_batch(schema, device) -> PackedBatch:
     return PackedBatch(torch.zeros(0, dtype=torch.int64), fields[TOKEN], fields[SAMPLE])
 
 
-def _contiguous_runs(positions: Sequence[int]) -> list[tuple[int, int]]:
-    """[3, 4, 5, 9, 10] -> [(3, 6), (9, 11)]."""
-    runs: list[list[int]] = []
-    for p in positions:
-        if runs and runs[-1][1] == p:
-            runs[-1][1] += 1
-        else:
-            runs.append([p, p + 1])
-    return [(a, b) for a, b in runs]
-
-
 def _assemble(plan: RedistributionPlan, dst: int, sources: dict, schema, device) -> PackedBatch:
-    """dst's batch in planned order, with one copy per field (none if a single view suffices).
+    """dst's batch in planned order: one copy per field, none if a single whole batch suffices.
 
     ``sources[src]`` is ``(batch, positions)``: the piece from src is
     ``batch`` at ``positions``, or the whole of ``batch`` when positions is None.
     """
-    views = []
+    pieces = []
     for src, start, stop in plan.recv_segments(dst):
         batch, positions = sources[src]
         wanted = range(start, stop) if positions is None else positions[start:stop]
-        views += [(batch, a, b) for a, b in _contiguous_runs(wanted)]
-    if not views:
+        pieces.append((batch, batch.row_ranges(wanted)))
+    if not pieces:
         return _empty_batch(schema, device)
-    if len(views) == 1 and views[0][1] == 0 and views[0][2] == views[0][0].num_samples:
-        return views[0][0]
-    return PackedBatch.concat([b.slice(a, z) for b, a, z in views])
+    first, first_runs = pieces[0]
+    if len(pieces) == 1 and first_runs == [(0, first.num_samples, 0, first.num_tokens)]:
+        return first
+    fields = {TOKEN: {}, SAMPLE: {}}
+    for spec in schema:
+        parts = [part for batch, runs in pieces for part in batch.field_rows(spec.name, runs)]
+        fields[spec.kind][spec.name] = torch.cat(parts)
+    seq_lens = torch.cat([batch.seq_lens[a:b] for batch, runs in pieces for a, b, _, _ in runs])
+    return PackedBatch(seq_lens, fields[TOKEN], fields[SAMPLE])
 
 
 def _check_inputs(batch, plan, group, node_of_rank, node_buffer) -> None:
@@ -315,27 +308,34 @@ def exchange(
     sizes = _size_matrix(plan, schema, lengths)
     via_shm = _shm_routes(world, node_of_rank)
     device = _comm_device(group)
-    key = (step, edge)
     for dst in range(world):
         if via_shm[rank][dst] and sizes[rank][dst]:
-            out = node_buffer.reserve(*key, rank, dst, sizes[rank][dst])
+            out = node_buffer.reserve(step, edge, rank, dst, sizes[rank][dst])
             _pack_into(out, batch, plan.sends[rank][dst], schema)
-            node_buffer.commit(*key, rank, dst)
+            node_buffer.commit(step, edge, rank, dst)
     wire = [[0 if s == d or via_shm[s][d] else sizes[s][d] for d in range(world)] for s in range(world)]
     received = _all_to_all_pieces(batch, plan, schema, wire, rank, group, device)
     for src in range(world):
         if via_shm[src][rank] and sizes[src][rank]:
-            received[src] = node_buffer.take(*key, src, rank).to(device)
-    sources = {rank: (batch, plan.sends[rank][rank])}
-    for src in range(world):
-        if src != rank and plan.sends[src][rank]:
-            buffer = received.get(src, torch.empty(0, dtype=torch.uint8, device=device))
-            piece_lens = [lengths[src][p] for p in plan.sends[src][rank]]
-            sources[src] = (_unpack(buffer, schema, piece_lens), None)
-    result = _assemble(plan, rank, sources, schema, device)
+            received[src] = node_buffer.take(step, edge, src, rank).to(device)
+    result = _assemble(plan, rank, _sources(batch, plan, received, schema, lengths, rank, device),
+                       schema, device)
     if counters is not None:
         _count(counters, edge, rank, sizes, via_shm)
     return result
+
+
+def _sources(batch, plan, received, schema, lengths, rank, device) -> dict:
+    """``_assemble``'s sources: the local batch at the kept positions, plus each received piece."""
+    sources = {rank: (batch, plan.sends[rank][rank])}
+    for src, positions in enumerate(plan.sends):
+        if src != rank and positions[rank]:
+            # a piece with samples but zero bytes (no fields, or only empty samples
+            # and no sample fields) was never sent: unpack it from nothing
+            buffer = received.get(src, torch.empty(0, dtype=torch.uint8, device=device))
+            piece_lens = [lengths[src][p] for p in positions[rank]]
+            sources[src] = (_unpack(buffer, schema, piece_lens), None)
+    return sources
 
 
 def _count(counters: TransferCounters, edge: str, rank: int, sizes, via_shm) -> None:

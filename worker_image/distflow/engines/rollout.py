@@ -34,11 +34,18 @@ class SamplingParams:
     micro_batch_size: int
 
 
-def render_prompts(tokenizer, records, max_prompt_length: int) -> list[list[int]]:
-    """Chat-template each record's messages; keep the last ``max_prompt_length`` tokens."""
+def render_prompts(tokenizer, records, max_prompt_length: int, system_prompt: str | None = None) -> list[list[int]]:
+    """Chat-template each record's messages; keep the last ``max_prompt_length`` tokens.
+
+    ``system_prompt`` replaces the record's own system message, if any.
+    """
     out = []
     for rec in records:
-        ids = tokenizer.apply_chat_template(list(rec.messages), add_generation_prompt=True, tokenize=True)
+        messages = list(rec.messages)
+        if system_prompt is not None:
+            messages = [{"role": "system", "content": system_prompt}] + [
+                m for m in messages if m.get("role") != "system"]
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
         if isinstance(ids, dict) or hasattr(ids, "input_ids"):
             ids = ids["input_ids"]
         out.append(list(ids)[-max_prompt_length:])

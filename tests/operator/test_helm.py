@@ -1,0 +1,348 @@
+"""The helm chart with real Helm against the test control plane.
+
+- ``helm lint --strict`` and ``helm template`` for each mode (cluster-wide,
+  watchNamespaces, batchScheduler, monitors); the values schema rejects bad choices.
+- The chart's grant is exactly ``distflow_operator.rbac`` (no more, no less).
+- ``kubectl apply --dry-run=server`` of every rendered object.
+- ``helm install``; the operator then runs as the Deployment would run it (its
+  args, the chart ServiceAccount's token, RBAC on), takes a job through a gang
+  restart to Succeeded and TTL deletion, and is refused (403) outside its grant.
+- ``helm uninstall`` leaves nothing of the release but the CRD.
+
+Helm comes from the control plane build (tests/controlplane/build.sh).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import urllib.request
+import uuid
+from pathlib import Path
+
+import pytest
+import yaml
+
+from distflow_operator import API_GROUP, API_VERSION, CRD_NAME, PLURAL
+from distflow_operator.__main__ import _parser as operator_cli
+from distflow_operator.rbac import KOPF_DISCOVERY_RULES, OPERATOR_RULES
+from tests.controlplane.cluster import free_port
+from tests.operator._helpers import REPO, Api, example_job, wait_for
+
+pytestmark = pytest.mark.operator
+
+CHART = REPO / "helm" / "distflow"
+VERSIONS = REPO / "tests" / "controlplane" / "versions.env"
+POD_GROUP_API = {"volcano": "scheduling.volcano.sh", "scheduler-plugins": "scheduling.x-k8s.io"}
+MODES = {
+    "cluster-wide": [],
+    "namespaced+volcano": ["--set", "watchNamespaces={team-a,team-b}", "--set", "batchScheduler=volcano"],
+    "scheduler-plugins+monitors": ["--set", "batchScheduler=scheduler-plugins",
+                                   "--set", "metrics.serviceMonitor.enabled=true",
+                                   "--set", "metrics.podMonitor.enabled=true"],
+}
+
+
+def kube_version() -> str:
+    env = dict(line.split("=", 1) for line in VERSIONS.read_text().splitlines()
+               if "=" in line and not line.startswith("#"))
+    return env["KUBERNETES_VERSION"].lstrip("v")
+
+
+class Helm:
+    """The helm binary with its caches in a temp dir and one kubeconfig."""
+
+    def __init__(self, binary: Path, home: Path, kubeconfig: Path | None = None):
+        self.binary, self.kubeconfig = binary, kubeconfig
+        self.env = {**os.environ, "HELM_CACHE_HOME": str(home / "cache"),
+                    "HELM_CONFIG_HOME": str(home / "config"), "HELM_DATA_HOME": str(home / "data")}
+
+    def __call__(self, *args: str, check: bool = True, timeout_s: float = 120) -> subprocess.CompletedProcess:
+        cmd = [str(self.binary), *args]
+        if self.kubeconfig is not None:
+            cmd.append(f"--kubeconfig={self.kubeconfig}")
+        out = subprocess.run(cmd, capture_output=True, text=True, env=self.env, timeout=timeout_s)
+        if check:
+            assert out.returncode == 0, f"{' '.join(args)}:\n{out.stdout}\n{out.stderr}"
+        return out
+
+    def template(self, *values: str, namespace: str = "distflow-system", crds: bool = False) -> list[dict]:
+        args = ["template", "distflow", str(CHART), "-n", namespace, f"--kube-version={kube_version()}", *values]
+        out = self(*args, *(["--include-crds"] if crds else []))
+        return [doc for doc in yaml.safe_load_all(out.stdout) if doc]
+
+
+@pytest.fixture(scope="module")
+def helm_binary(control_plane_bin_dir: Path) -> Path:
+    binary = control_plane_bin_dir / "helm"
+    if not os.access(binary, os.X_OK):
+        pytest.skip(f"helm missing in {control_plane_bin_dir} (tests/controlplane/build.sh builds it)")
+    return binary
+
+
+@pytest.fixture(scope="module")
+def helm(helm_binary: Path, tmp_path_factory) -> Helm:
+    return Helm(helm_binary, tmp_path_factory.mktemp("helm-home"))
+
+
+@pytest.fixture(scope="module")
+def cluster_helm(helm_binary: Path, control_plane, tmp_path_factory) -> Helm:
+    return Helm(helm_binary, tmp_path_factory.mktemp("helm-home"), control_plane.kubeconfig)
+
+
+def by_kind(docs: list[dict], kind: str) -> list[dict]:
+    return [d for d in docs if d["kind"] == kind]
+
+
+def grant(rules: list[dict]) -> set[tuple[str, str, str]]:
+    """(apiGroup, resource, verb) triples a list of PolicyRules allows."""
+    return {(g, r, v) for rule in rules for g in rule["apiGroups"] for r in rule["resources"]
+            for v in rule["verbs"]}
+
+
+def expected_grants(batch_scheduler: str, cluster_wide: bool) -> tuple[set, set]:
+    """(grant in each watched namespace, grant at cluster scope) per distflow_operator.rbac."""
+    wanted = {POD_GROUP_API.get(batch_scheduler)}
+    operator = {t for t in grant(OPERATOR_RULES) if t[1] != "podgroups" or t[0] in wanted}
+    discovery = grant(KOPF_DISCOVERY_RULES)
+    return (set(), operator | discovery) if cluster_wide else (operator, discovery)
+
+
+# -- rendering, no cluster -------------------------------------------------
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_chart_lints_strictly(helm, mode):
+    out = helm("lint", "--strict", str(CHART), f"--kube-version={kube_version()}", *MODES[mode])
+    assert "1 chart(s) linted, 0 chart(s) failed" in out.stdout
+
+
+def test_values_schema_rejects_an_unknown_batch_scheduler(helm):
+    out = helm("template", "x", str(CHART), f"--kube-version={kube_version()}",
+               "--set", "batchScheduler=kueue", check=False)
+    assert out.returncode != 0 and "batchScheduler" in out.stderr
+
+
+def test_chart_crd_is_the_generated_crd():
+    chart_crd = CHART / "crds" / f"{CRD_NAME}.yaml"
+    assert chart_crd.read_bytes() == (REPO / "crds" / f"{CRD_NAME}.yaml").read_bytes(), (
+        "helm/distflow/crds/ is stale; run: python -m distflow_operator.crdgen "
+        f"--output helm/distflow/crds/{CRD_NAME}.yaml")
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_rbac_grants_exactly_the_operator_rules(helm, mode):
+    docs = helm.template(*MODES[mode])
+    values = dict(v.split("=", 1) for v in MODES[mode][1::2])
+    scheduler = values.get("batchScheduler", "none")
+    namespaces = values.get("watchNamespaces", "").strip("{}").split(",") if "watchNamespaces" in values else []
+    operator_roles = [d for d in by_kind(docs, "ClusterRole") + by_kind(docs, "Role")
+                      if not d["metadata"]["name"].endswith(("-edit", "-view"))]
+    cluster_roles = [d for d in operator_roles if d["kind"] == "ClusterRole"]
+    roles = [d for d in operator_roles if d["kind"] == "Role"]
+    in_namespace, cluster_scope = expected_grants(scheduler, cluster_wide=not namespaces)
+    assert len(cluster_roles) == 1 and grant(cluster_roles[0]["rules"]) == cluster_scope
+    assert sorted(d["metadata"]["namespace"] for d in roles) == sorted(namespaces)
+    for role in roles:
+        assert grant(role["rules"]) == in_namespace
+    bindings = by_kind(docs, "RoleBinding") + by_kind(docs, "ClusterRoleBinding")
+    assert sorted((b["roleRef"]["kind"], b["metadata"].get("namespace", "")) for b in bindings) == sorted(
+        [("ClusterRole", "")] + [("Role", ns) for ns in namespaces])
+    sa = by_kind(docs, "ServiceAccount")[0]["metadata"]
+    for binding in bindings:
+        assert binding["subjects"] == [{"kind": "ServiceAccount", "name": sa["name"], "namespace": sa["namespace"]}]
+    assert not {t for t in grant(OPERATOR_RULES) if t[2] == "update" or t[1] == "secrets"}
+
+
+def test_deployment_runs_one_hardened_operator_with_flags_the_cli_accepts(helm):
+    docs = helm.template("--set", "watchNamespaces={team-a,team-b}", "--set", "logging.level=debug")
+    deploy = by_kind(docs, "Deployment")[0]["spec"]
+    assert (deploy["replicas"], deploy["strategy"]) == (1, {"type": "Recreate"})
+    pod = deploy["template"]["spec"]
+    (container,) = pod["containers"]
+    assert pod["securityContext"]["runAsNonRoot"] is True and pod["securityContext"]["runAsUser"] == 10001
+    assert container["securityContext"]["readOnlyRootFilesystem"] is True
+    assert container["securityContext"]["allowPrivilegeEscalation"] is False
+    assert container["resources"]["requests"] == {"cpu": "100m", "memory": "128Mi"}
+    assert container["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "health"}
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    args = operator_cli().parse_args(container["args"])
+    assert (args.namespace, args.verbose) == (["team-a", "team-b"], True)
+    assert (args.metrics_port, args.liveness_port) == (ports["metrics"], ports["health"]) == (8080, 8081)
+    assert container["image"] == "distflow/operator:0.1.0"
+
+
+def test_every_object_carries_the_release_labels(helm):
+    docs = helm.template(*MODES["scheduler-plugins+monitors"])
+    assert {d["kind"] for d in docs} >= {"ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Deployment",
+                                         "Service", "ConfigMap", "ServiceMonitor", "PodMonitor"}
+    for doc in docs:
+        labels = doc["metadata"]["labels"]
+        assert (labels["app.kubernetes.io/instance"], labels["app.kubernetes.io/managed-by"]) == ("distflow", "Helm")
+    dashboard = by_kind(docs, "ConfigMap")[0]
+    assert dashboard["metadata"]["labels"]["grafana_dashboard"] == "1"
+    assert json.loads(dashboard["data"]["distflow.json"])["uid"] == "distflow"
+
+
+# -- against the API server ------------------------------------------------
+
+MONITOR_STUBS = [
+    {"apiVersion": "apiextensions.k8s.io/v1", "kind": "CustomResourceDefinition",
+     "metadata": {"name": f"{plural}.monitoring.coreos.com"},
+     "spec": {"group": "monitoring.coreos.com", "scope": "Namespaced",
+              "names": {"kind": kind, "plural": plural, "singular": kind.lower(), "listKind": f"{kind}List"},
+              "versions": [{"name": "v1", "served": True, "storage": True,
+                            "schema": {"openAPIV3Schema": {"type": "object",
+                                                           "x-kubernetes-preserve-unknown-fields": True}}}]}}
+    for kind, plural in (("ServiceMonitor", "servicemonitors"), ("PodMonitor", "podmonitors"))
+]
+"""prometheus-operator's CRDs are not available offline: structural stand-ins let the
+server check the monitors' metadata; their spec is checked against the chart's own tests only."""
+
+
+def test_rendered_objects_pass_server_side_dry_run(control_plane, helm, k8s_namespace):
+    other = f"{k8s_namespace}-b"
+    control_plane.request("POST", "/api/v1/namespaces", {"apiVersion": "v1", "kind": "Namespace",
+                                                         "metadata": {"name": other}}, expect=(201,))
+    stubs = "\n---\n".join(yaml.safe_dump(s) for s in MONITOR_STUBS)
+    try:
+        assert control_plane.kubectl("apply", "-f", "-", input=stubs).returncode == 0
+        wait_for(lambda: control_plane.kubectl("get", "podmonitors", "-A").returncode == 0, 30,
+                 what="monitor stand-ins served")
+        for mode in (["--set", f"watchNamespaces={{{k8s_namespace},{other}}}", "--set", "batchScheduler=volcano"],
+                     MODES["scheduler-plugins+monitors"]):
+            docs = helm.template(*mode, namespace=k8s_namespace, crds=True)
+            out = control_plane.kubectl("apply", "--dry-run=server", "-f", "-",
+                                        input="\n---\n".join(yaml.safe_dump(d) for d in docs))
+            assert out.returncode == 0, out.stderr
+            created = [line for line in out.stdout.splitlines() if "(server dry run)" in line]
+            assert len(created) == len(docs), out.stdout
+    finally:
+        control_plane.kubectl("delete", "--ignore-not-found", "-f", "-", input=stubs)
+        control_plane.request("DELETE", f"/api/v1/namespaces/{other}")
+
+
+def operator_process(control_plane, deployment: dict, namespace: str, workdir: Path) -> subprocess.Popen:
+    """The Deployment's container, run here: its args, the chart ServiceAccount's token."""
+    pod = deployment["spec"]["template"]["spec"]
+    token = control_plane.make_token_for_serviceaccount(namespace, pod["serviceAccountName"])
+    kubeconfig = control_plane.write_kubeconfig(workdir / "chart-sa.kubeconfig", token, user="chart-sa")
+    env = {**os.environ, "KUBECONFIG": str(kubeconfig),
+           "PYTHONPATH": os.pathsep.join([str(REPO / "worker_image"), str(REPO / "operator")])}
+    log = open(workdir / "operator.log", "wb")
+    return subprocess.Popen([sys.executable, "-m", "distflow_operator", *pod["containers"][0]["args"]],
+                            stdout=log, stderr=subprocess.STDOUT, env=env)
+
+
+def stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def http_get(url: str) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(url, timeout=2) as resp:
+            return resp.status, resp.read().decode()
+    except OSError:
+        return 0, ""
+
+
+def release_leftovers(control_plane, release: str) -> list[str]:
+    """Every listable object, in any namespace, labelled as part of ``release``."""
+    kinds = control_plane.kubectl("api-resources", "--verbs=list", "-o", "name", check=True).stdout.split()
+    out = control_plane.kubectl("get", ",".join(kinds), "-A", "-o", "name",
+                                "-l", f"app.kubernetes.io/instance={release}")
+    return out.stdout.split()
+
+
+def test_helm_install_runs_the_operator_with_exactly_the_chart_grant(control_plane, cluster_helm,
+                                                                   k8s_namespace, tmp_path):
+    release, ns, api = f"df-{uuid.uuid4().hex[:6]}", k8s_namespace, Api(control_plane, k8s_namespace)
+    metrics_port, liveness_port = free_port(), free_port()
+    cluster_helm("install", release, str(CHART), "-n", ns, "--wait", "--timeout=90s",
+                 "--set", f"watchNamespaces={{{ns}}}", "--set", f"metrics.port={metrics_port}",
+                 "--set", f"livenessPort={liveness_port}", "--set", "operator.resyncInterval=2")
+    _, deployment = control_plane.request("GET", f"/apis/apps/v1/namespaces/{ns}/deployments/{release}-distflow",
+                                          expect=(200,))
+    assert deployment["status"].get("availableReplicas") == 1
+    assert control_plane.kubectl("get", "crd", CRD_NAME).returncode == 0
+
+    proc = operator_process(control_plane, deployment, ns, tmp_path)
+    try:
+        wait_for(lambda: http_get(f"http://127.0.0.1:{liveness_port}/healthz")[0] == 200, 60,
+                 what="the Deployment's liveness probe answers")
+        status, body = api.create_job(example_job("helm-job", runPolicy={"maxRestarts": 2, "backoffSeconds": 0,
+                                                                          "ttlSecondsAfterFinished": 1}))
+        assert status == 201, body
+        api.wait_running_gang("helm-job", attempt=1, num_nodes=2)
+        control_plane.set_pod_phase(ns, "helm-job-node-1", "Failed", exit_code=1)
+        for pod in api.wait_running_gang("helm-job", attempt=2, num_nodes=2):
+            control_plane.set_pod_phase(ns, pod["metadata"]["name"], "Succeeded")
+        wait_for(lambda: api.job("helm-job") is None, 30, what="Succeeded, then deleted after its TTL")
+        scraped = http_get(f"http://127.0.0.1:{metrics_port}/metrics")[1]
+        assert 'distflow_operator_gang_restarts_total 1.0' in scraped
+        assert_refused_outside_grant(control_plane, api, deployment, ns)
+    finally:
+        stop(proc)
+    log = (tmp_path / "operator.log").read_text(errors="replace")
+    assert "Forbidden" not in log and "403" not in log, log[-4000:]
+
+    cluster_helm("uninstall", release, "-n", ns, "--wait", "--timeout=60s")
+    assert release_leftovers(control_plane, release) == []
+    assert control_plane.kubectl("get", "crd", CRD_NAME).returncode == 0  # documented to stay
+
+
+def assert_refused_outside_grant(control_plane, api: Api, deployment: dict, ns: str) -> None:
+    sa = deployment["spec"]["template"]["spec"]["serviceAccountName"]
+    token = control_plane.make_token_for_serviceaccount(ns, sa)
+    jobs = f"/apis/{API_GROUP}/{API_VERSION}/namespaces/{ns}/{PLURAL}"
+
+    def status(method: str, path: str, body=None, **kw) -> int:
+        return control_plane.request(method, path, body, token=token, **kw)[0]
+
+    assert status("GET", jobs) == 200
+    assert status("POST", f"/api/v1/namespaces/{ns}/pods?dryRun=All", example_pod()) == 201
+    assert status("GET", f"/api/v1/namespaces/{ns}/secrets") == 403
+    assert status("PATCH", f"{jobs}/anything", {"spec": {}}, content_type="application/merge-patch+json") == 403
+    assert status("PUT", f"/api/v1/namespaces/{ns}/configmaps/anything", {}) == 403
+    assert status("GET", f"/apis/{API_GROUP}/{API_VERSION}/{PLURAL}") == 403  # cluster-wide list
+    assert status("POST", "/api/v1/namespaces/default/pods?dryRun=All", example_pod()) == 403
+    assert status("DELETE", f"/api/v1/nodes/{control_plane.node_names[0]}") == 403
+    assert status("POST", f"/apis/apps/v1/namespaces/{ns}/deployments?dryRun=All", {}) == 403
+    assert status("GET", f"/apis/scheduling.volcano.sh/v1beta1/namespaces/{ns}/podgroups/x") == 403
+
+
+def example_pod() -> dict:
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "probe"},
+            "spec": {"containers": [{"name": "c", "image": "busybox"}]}}
+
+
+def test_cluster_wide_install_grants_every_namespace_and_the_chosen_pod_groups(control_plane, cluster_helm,
+                                                                              k8s_namespace):
+    release, ns = f"df-{uuid.uuid4().hex[:6]}", k8s_namespace
+    cluster_helm("install", release, str(CHART), "-n", ns, "--set", "batchScheduler=volcano",
+                 "--set", "dashboards.enabled=false")
+    try:
+        token = control_plane.make_token_for_serviceaccount(ns, f"{release}-distflow")
+
+        def status(path: str) -> int:
+            return control_plane.request("GET", path, token=token)[0]
+
+        assert status(f"/apis/{API_GROUP}/{API_VERSION}/{PLURAL}") == 200
+        assert status("/api/v1/namespaces/default/pods") == 200
+        assert status("/api/v1/namespaces") == 200  # kopf follows namespaces when it watches them all
+        assert status("/api/v1/secrets") == 403
+        # Granted: the API server answers 404 (volcano is not installed). Not granted: 403.
+        assert status(f"/apis/scheduling.volcano.sh/v1beta1/namespaces/{ns}/podgroups/x") == 404
+        assert status(f"/apis/scheduling.x-k8s.io/v1alpha1/namespaces/{ns}/podgroups/x") == 403
+        assert control_plane.kubectl("get", "configmap", "-n", ns, f"{release}-distflow-dashboard").returncode != 0
+    finally:
+        cluster_helm("uninstall", release, "-n", ns, "--wait", "--timeout=60s")
+    assert release_leftovers(control_plane, release) == []

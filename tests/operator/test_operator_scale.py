@@ -1,0 +1,100 @@
+"""A 64-node job on 64 fake 8-GPU nodes: time from apply to every node pod Running, and
+the operator's resident memory then. The operator runs as its own process
+(`python -m distflow_operator`, least-privilege token) so its RSS is its own."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import psutil
+import pytest
+
+from tests.controlplane.cluster import fake_node, free_port
+from tests.operator._helpers import (  # noqa: F401  (fixtures)
+    REPO, api, crd, example_job, operator_kubeconfig_path, wait_for,
+)
+
+pytestmark = pytest.mark.operator
+
+NUM_NODES = 64
+
+
+@pytest.fixture
+def gpu_pool(control_plane, k8s_namespace):
+    """64 extra kwok nodes labelled for this test only; deleted afterwards."""
+    names = [f"pool-{k8s_namespace[-6:]}-{i}" for i in range(NUM_NODES)]
+    for name in names:
+        node = fake_node(name, gpus=8)
+        node["metadata"]["labels"]["distflow.io/test-pool"] = k8s_namespace
+        control_plane.request("POST", "/api/v1/nodes", node, expect=(201,))
+
+    def ready() -> bool:
+        _, body = control_plane.request(
+            "GET", f"/api/v1/nodes?labelSelector=distflow.io%2Ftest-pool%3D{k8s_namespace}", expect=(200,))
+        return sum(any(c["type"] == "Ready" and c["status"] == "True" for c in n["status"].get("conditions", []))
+                   for n in body["items"]) == NUM_NODES
+
+    wait_for(ready, 60, 0.5, what="pool nodes Ready")
+    yield k8s_namespace
+    for name in names:
+        control_plane.request("DELETE", f"/api/v1/nodes/{name}")
+
+
+@pytest.fixture
+def operator_process(operator_kubeconfig_path: Path, k8s_namespace):
+    port = free_port()
+    env = {**os.environ, "KUBECONFIG": str(operator_kubeconfig_path),
+           "PYTHONPATH": os.pathsep.join([str(REPO / "worker_image"), str(REPO / "operator"),
+                                          os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.Popen([sys.executable, "-m", "distflow_operator", "-n", k8s_namespace,
+                             "--metrics-port", str(port), "--liveness-port", "0"],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        wait_for(lambda: _scrape(port), 30, 0.2, what="operator metrics endpoint")
+        yield proc, port
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        log = proc.stdout.read()
+        assert "Traceback" not in log, log[-4000:]
+
+
+def _scrape(port: int) -> str | None:
+    try:
+        return urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2).read().decode()
+    except OSError:
+        return None
+
+
+def test_64_node_job_time_to_running_and_operator_memory(api, gpu_pool, operator_process):
+    proc, port = operator_process
+    rss_idle = psutil.Process(proc.pid).memory_info().rss
+    job = example_job("big", cluster={"numNodes": NUM_NODES, "procsPerNode": 8, "acceleratorsPerNode": 8},
+                      data={"trainBatchSize": 512},
+                      template={"nodeSelector": {"distflow.io/test-pool": gpu_pool}})
+    started = time.monotonic()
+    status, body = api.create_job(job)
+    assert status == 201, body
+    pods = api.wait_running_gang("big", attempt=1, num_nodes=NUM_NODES, timeout_s=120)
+    pods_running_s = time.monotonic() - started
+    api.wait_phase("big", "Running", timeout_s=60, readyNodes=NUM_NODES)
+    status_running_s = time.monotonic() - started
+    rss = psutil.Process(proc.pid).memory_info().rss
+
+    assert len({p["spec"]["nodeName"] for p in pods}) == NUM_NODES  # one 8-GPU node per pod
+    assert api.status("big")["nodes"] == f"{NUM_NODES}/{NUM_NODES}"
+    metrics = _scrape(port)
+    assert "distflow_operator_time_to_running_seconds_count 1.0" in metrics
+    print(f"\n64-node job: apply -> all {NUM_NODES} pods Running {pods_running_s:.2f}s; "
+          f"-> status Running {NUM_NODES}/{NUM_NODES} {status_running_s:.2f}s; "
+          f"operator RSS {rss / 2**20:.1f} MiB (idle before apply {rss_idle / 2**20:.1f} MiB)")
+    assert pods_running_s < 60

@@ -1,0 +1,173 @@
+"""The reconciler against an in-memory API: call order, idempotence, coalescing, retries."""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import yaml
+
+from distflow_operator.metrics import OperatorMetrics
+from distflow_operator.observed import pod_view
+from distflow_operator.reconcile import Reconciler
+
+pytestmark = pytest.mark.unit
+
+KEY = ("ns", "grpo-tiny")
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "rljob.yaml"
+
+
+class FakeApi:
+    """Records calls; created pods appear in the pod index as Running at once (like kwok)."""
+
+    def __init__(self, pods: dict, update_index_status: bool = True):
+        self.pods, self.update_index_status = pods, update_index_status
+        self.calls: list[tuple] = []
+        self.jobs: dict = {}
+
+    def patch_job_status(self, namespace, name, patch):
+        self.calls.append(("status", patch.get("phase"), patch.get("attempt")))
+        if self.update_index_status:
+            body = self.jobs[(namespace, name)][0]
+            body["status"] = {k: v for k, v in {**body.get("status", {}), **patch}.items() if v is not None}
+        return True
+
+    def ensure(self, obj, owner):
+        self.calls.append(("ensure", obj["kind"]))
+
+    def create(self, pod):
+        self.calls.append(("create", pod["metadata"]["name"], pod["metadata"]["labels"]["distflow.io/attempt"]))
+        pod = copy.deepcopy(pod)
+        pod["metadata"]["uid"] = f"uid-{len(self.calls)}"
+        pod["status"] = {"phase": "Running", "conditions": [{"type": "Ready", "status": "True"}]}
+        self.pods.setdefault(KEY, []).append(pod_view(pod))
+        return True
+
+    def delete_pod(self, namespace, name, uid):
+        self.calls.append(("delete", name))
+        self.pods[KEY] = [p for p in self.pods[KEY] if p.uid != uid]
+
+    def delete_job(self, namespace, name, uid):
+        self.calls.append(("delete-job", name))
+
+    def post_event(self, owner, event_type, reason, message):
+        self.calls.append(("event", reason))
+
+
+def setup(backoff=0, update_index_status=True):
+    doc = yaml.safe_load(EXAMPLE.read_text())
+    doc["metadata"].update(namespace="ns", uid="job-uid", generation=1)
+    doc["spec"]["runPolicy"]["backoffSeconds"] = backoff
+    pods: dict = {}
+    api = FakeApi(pods, update_index_status)
+    api.jobs = {KEY: [doc]}
+    metrics = OperatorMetrics()
+    return Reconciler(api, api.jobs, pods, metrics), api, doc, pods, metrics
+
+
+def fail(pods, index, **changes):
+    pods[KEY][index] = replace(pods[KEY][index], **{"phase": "Failed", "exit_code": 1, "ready": False, **changes})
+
+
+def test_status_is_written_before_children_are_created():
+    reconciler, api, doc, _, _ = setup()
+    asyncio.run(reconciler.reconcile(KEY))
+    assert api.calls == [
+        ("status", "Pending", 1), ("ensure", "ConfigMap"), ("ensure", "Service"),
+        ("create", "grpo-tiny-node-0", "1"), ("create", "grpo-tiny-node-1", "1"),
+        ("event", "CreatedNodePods")]
+
+
+def test_a_steady_job_costs_no_api_calls():
+    reconciler, api, doc, _, _ = setup()
+
+    async def passes():
+        for _ in range(3):
+            await reconciler.reconcile(KEY)
+    asyncio.run(passes())
+    assert doc["status"]["phase"] == "Running"
+    calls = len(api.calls)
+    asyncio.run(reconciler.reconcile(KEY))
+    assert len(api.calls) == calls
+
+
+def test_gang_restart_writes_the_attempt_then_replaces_every_pod():
+    reconciler, api, doc, pods, metrics = setup()
+
+    async def scenario():
+        await reconciler.reconcile(KEY)
+        await reconciler.reconcile(KEY)
+        api.calls.clear()
+        fail(pods, 1)
+        for _ in range(3):  # decide the restart; recreate; observe the new pods running
+            await reconciler.reconcile(KEY)
+    asyncio.run(scenario())
+    assert api.calls[:4] == [("status", "Restarting", 2), ("event", "NodeFailed"),
+                             ("delete", "grpo-tiny-node-0"), ("delete", "grpo-tiny-node-1")]
+    assert ("create", "grpo-tiny-node-0", "2") in api.calls and ("create", "grpo-tiny-node-1", "2") in api.calls
+    assert doc["status"]["restarts"] == 1 and doc["status"]["phase"] == "Running"
+    assert metrics._gang_restarts == 1
+
+
+def test_own_status_write_wins_over_a_stale_watch_cache():
+    reconciler, api, doc, pods, _ = setup(backoff=30, update_index_status=False)
+
+    async def scenario():
+        await reconciler.reconcile(KEY)
+        await reconciler.reconcile(KEY)
+        fail(pods, 0)
+        first = await reconciler.reconcile(KEY)
+        await reconciler.reconcile(KEY)  # the index still shows attempt 1 and no status
+        return first
+    requeue = asyncio.run(scenario())
+    restarts = [c for c in api.calls if c[0] == "status" and c[1] == "Restarting"]
+    assert restarts == [("status", "Restarting", 2)] and requeue == 30
+    assert not [c for c in api.calls if c[0] == "create" and c[2] == "2"]  # still in backoff
+
+
+def test_a_pod_that_vanishes_restarts_the_gang():
+    reconciler, api, doc, pods, _ = setup()
+
+    async def scenario():
+        await reconciler.reconcile(KEY)
+        await reconciler.reconcile(KEY)
+        pods[KEY] = pods[KEY][1:]  # node 0 deleted behind the operator's back
+        await reconciler.reconcile(KEY)
+    asyncio.run(scenario())
+    assert doc["status"]["attempt"] == 2 and doc["status"]["reason"] == "NodeLost"
+
+
+def test_kicks_coalesce_and_errors_are_counted_and_retried():
+    reconciler, api, doc, pods, metrics = setup()
+    runs = []
+
+    async def flaky(key):
+        runs.append(key)
+        await asyncio.sleep(0.01)
+        if len(runs) == 1:
+            raise RuntimeError("API down")
+        return None
+
+    reconciler.reconcile = flaky
+
+    async def scenario():
+        for _ in range(10):
+            reconciler.kick(KEY)
+        await asyncio.sleep(0.05)
+        assert len(runs) == 1  # ten kicks while the first pass runs: one pass
+        await asyncio.sleep(2.2)  # first retry after 2 s
+    asyncio.run(scenario())
+    assert len(runs) == 2
+    assert (metrics._reconciles, metrics._errors) == (2, 1)
+
+
+def test_a_deleted_job_is_forgotten_with_its_metric_series():
+    reconciler, api, doc, _, metrics = setup()
+    asyncio.run(reconciler.reconcile(KEY))
+    assert KEY in metrics._jobs and reconciler.num_jobs == 1
+    api.jobs.clear()
+    assert asyncio.run(reconciler.reconcile(KEY)) is None
+    assert KEY not in metrics._jobs and reconciler.num_jobs == 0
