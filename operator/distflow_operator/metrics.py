@@ -90,7 +90,7 @@ class OperatorMetrics:
         yield CounterMetricFamily("distflow_operator_reconcile_errors",
                                   "Reconciles that raised (retried with backoff)", value=errors)
         cumulative, buckets = 0, []
-        for bound, count in zip(list(TIME_TO_RUNNING_BUCKETS) + [float("inf")], counts):
+        for bound, count in zip(list(TIME_TO_RUNNING_BUCKETS) + [float("inf")], counts, strict=True):
             cumulative += count
             buckets.append(("+Inf" if bound == float("inf") else repr(bound), cumulative))
         yield HistogramMetricFamily("distflow_operator_time_to_running_seconds",

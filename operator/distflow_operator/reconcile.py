@@ -30,7 +30,7 @@ from typing import Any
 
 import aiohttp
 
-from distflow_operator.kube import KubeApi
+from distflow_operator.kube import ChildConflict, KubeApi, KubeApiError
 from distflow_operator.metrics import JobSample, OperatorMetrics
 from distflow_operator.observed import JobView, PodView, job_view, parse_time
 from distflow_operator.policy import Decision, decide, run_state
@@ -112,9 +112,11 @@ class Reconciler:
 
     def _requeue(self, key: JobKey, entry: _QueueEntry, delay: float) -> None:
         loop = asyncio.get_running_loop()
-        due = loop.time() + delay
-        if entry.timer is not None and not entry.timer.cancelled() and entry.timer_due <= due:
-            return
+        now = loop.time()
+        due = now + delay
+        pending = entry.timer is not None and not entry.timer.cancelled() and entry.timer_due > now
+        if pending and entry.timer_due <= due:
+            return  # an earlier wake-up is already set
         if entry.timer is not None:
             entry.timer.cancel()
         entry.timer, entry.timer_due = loop.call_at(due, self.kick, key), due
@@ -170,7 +172,12 @@ class Reconciler:
             self._observe_transition(job.status, new, now)
             await self._post_events(job, transition_events(job.status, new))
         memory.status = new
-        await self._apply(job, decision)
+        try:
+            await self._apply(job, decision)
+        except (KubeApiError, ChildConflict) as err:
+            # Users read `kubectl describe rljob`, not operator logs; the pass is retried with backoff.
+            await self._post_events(job, [("Warning", "ReconcileError", str(err))])
+            raise
         self._metrics.record_job(job.namespace, job.name, JobSample(
             new["phase"], new.get("restarts", 0), new.get("readyNodes", 0), new.get("desiredNodes", 0)))
         return decision.requeue_after
@@ -243,7 +250,7 @@ class Reconciler:
                 await asyncio.sleep(interval_s)
                 targets = self._scrape_targets()
                 results = await asyncio.gather(*(scrape_progress(session, ip, port) for _, ip, port in targets))
-                for (key, _, _), progress in zip(targets, results):
+                for (key, _, _), progress in zip(targets, results, strict=True):
                     memory = self._memory.get(key)
                     if progress and memory is not None and progress != memory.progress:
                         memory.progress = progress

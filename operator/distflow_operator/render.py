@@ -45,6 +45,7 @@ LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
 OPERATOR_ENV_NAMES = (
     "PET_NNODES", "PET_NODE_RANK", "PET_NPROC_PER_NODE", "MASTER_ADDR", "MASTER_PORT",
     "WORLD_SIZE", "DISTFLOW_JOB_NAME", "DISTFLOW_ATTEMPT", "DISTFLOW_CONFIG", "DISTFLOW_METRICS_PORT",
+    "DISTFLOW_TERMINATION_LOG",
 )
 """Env the operator sets on every node; spec.template.env may not set these."""
 SPEC_VOLUME = "distflow-spec"
@@ -215,6 +216,7 @@ def _node_env(spec: JobSpec, owner: JobRef, rank: int, attempt: int) -> list[dic
         "DISTFLOW_ATTEMPT": attempt,
         "DISTFLOW_CONFIG": CONFIG_PATH,
         "DISTFLOW_METRICS_PORT": metrics_port(spec),
+        "DISTFLOW_TERMINATION_LOG": "/dev/termination-log",
     }
     assert tuple(values) == OPERATOR_ENV_NAMES
     return [{"name": k, "value": str(v)} for k, v in values.items()]

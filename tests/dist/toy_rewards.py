@@ -4,3 +4,9 @@
 def distinct_chars(response: str, ground_truth: str, extra_info: dict | None = None) -> float:
     """Number of distinct characters of the response, scaled to about [0, 1]."""
     return len(set(response)) / 10.0
+
+
+def odd_length(response: str, ground_truth: str, extra_info: dict | None = None) -> float:
+    """1 for a response of odd character length, else 0: the two responses of a group often tie,
+    so DAPO's dynamic sampling has groups to drop and refill."""
+    return float(len(response) % 2)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import json
+import logging
 import os
 import time
 import urllib.parse
@@ -178,17 +179,34 @@ def operator_running(kubeconfig: Path, namespace: str, *, liveness_port: int | N
     args = ["run", "--standalone", "--namespace", namespace, "-m", "distflow_operator.handlers"]
     if liveness_port:
         args += ["--liveness", f"http://127.0.0.1:{liveness_port}/healthz"]
+    errors = _ErrorLog()
+    loggers = [logging.getLogger(name) for name in ("distflow_operator", "kopf")]
+    for logger in loggers:
+        logger.addHandler(errors)
     try:
         with KopfRunner(args, timeout=30) as runner:
             yield runner
     finally:
+        for logger in loggers:
+            logger.removeHandler(errors)
         for key, value in saved.items():
             if value is None:
                 os.environ.pop(key, None)
             else:
                 os.environ[key] = value
     assert runner.exception is None, runner.output
-    assert "Traceback" not in runner.output, runner.output
+    assert not errors.records, "operator logged errors:\n" + "\n".join(errors.records)
+
+
+class _ErrorLog(logging.Handler):
+    """Collects ERROR records: a reconcile that raised, a handler kopf saw fail."""
+
+    def __init__(self) -> None:
+        super().__init__(level=logging.ERROR)
+        self.records: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(self.format(record))
 
 
 @pytest.fixture
@@ -214,8 +232,8 @@ def kubectl_get_rljob(control_plane: Any, namespace: str, name: str) -> dict[str
     assert out.returncode == 0, out.stderr
     header, row = out.stdout.splitlines()[:2]
     starts = [header.index(col) for col in header.split()]
-    cells = [row[a:b].strip() for a, b in zip(starts, starts[1:] + [len(row) + 1])]
-    return dict(zip(header.split(), cells))
+    cells = [row[a:b].strip() for a, b in zip(starts, starts[1:] + [len(row) + 1], strict=True)]
+    return dict(zip(header.split(), cells, strict=True))
 
 
 def dump(obj: Any) -> str:

@@ -31,7 +31,13 @@ import yaml
 
 from tests.controlplane.cluster import free_port
 from tests.operator._helpers import (  # noqa: F401  (fixtures)
-    REPO, Api, crd, example_job, operator_kubeconfig_path, operator_running, wait_for,
+    REPO,
+    Api,
+    crd,
+    example_job,
+    operator_kubeconfig_path,
+    operator_running,
+    wait_for,
 )
 
 DASHBOARD = REPO / "helm" / "distflow" / "dashboards" / "distflow.json"
@@ -45,11 +51,20 @@ RUN_SPEC = {
     "model": {"path": "tiny"},
     # Wide operands give prompts of different token counts, so balancing moves samples.
     "data": {"train": {"path": "arithmetic", "size": 512, "minOperand": 1, "maxOperand": 999999},
-             "trainBatchSize": 8, "maxPromptLength": 128, "maxResponseLength": 8},
-    "rollout": {"n": 2},
+             "trainBatchSize": 4, "maxPromptLength": 128, "maxResponseLength": 8,
+             "rewardFn": "dashboard_reward:response_chars_reward"},
+    "rollout": {"n": 4},
+    "actor": {"lr": 1.0e-4},
     "cluster": {"numNodes": 2, "procsPerNode": 1, "device": "cpu"},
     "trainer": {"totalSteps": 12},
+    "checkpoint": {"saveEverySteps": 4},
 }
+REWARD_MODULE = '''
+def response_chars_reward(response, ground_truth, extra_info=None):
+    """A toy reward with a spread on a random model's text, so that advantages,
+    losses, gradients and KL are not all zero: characters in the response, capped."""
+    return min(1.0, len(response) / 100.0)
+'''
 
 
 def dashboard_panels() -> list[dict]:
@@ -65,42 +80,43 @@ def metric_names(expr: str) -> set[str]:
     return set(re.findall(r"\bdistflow_\w+", expr))
 
 
-def exported_metric_names() -> dict[str, str]:
-    """Series name -> type, from the runtime's and the operator's own collectors."""
+def exported_families() -> dict[str, str]:
+    """Metric family -> type, declared by the runtime's and the operator's collectors."""
     from prometheus_client import CollectorRegistry
 
-    from distflow.exporter import STEP_GAUGES, NodeExporter
+    from distflow.exporter import NodeExporter
     from distflow_operator.metrics import JobSample, OperatorMetrics
 
-    node = NodeExporter("j", 0, port=0)
-    # Labelled series exist once set: one step with every key the exporter maps.
-    node.observe_step(1, {key: 1.0 for key in STEP_GAUGES}, {(0, "a->b"): 1.0}, 1.0, 1.0, 1.0)
     operator = OperatorMetrics()
     operator.record_job("ns", "j", JobSample("Running", 0, 1, 1))
     registry = CollectorRegistry()
     registry.register(operator)
-    names = {}
-    for reg in (node.registry, registry):
-        for family in reg.collect():
-            for sample in family.samples:
-                names[sample.name] = family.type
-    return names
+    return {family.name: family.type for reg in (NodeExporter("j", 0, port=0).registry, registry)
+            for family in reg.collect()}
+
+
+SERIES_SUFFIXES = {"counter": ("_total", "_created"), "histogram": ("_bucket", "_sum", "_count", "_created"),
+                   "gauge": ("",)}
+
+
+def exported_series_names() -> set[str]:
+    return {name + suffix for name, kind in exported_families().items() for suffix in SERIES_SUFFIXES[kind]}
 
 
 @pytest.mark.unit
 def test_every_dashboard_query_uses_metric_names_the_code_exports():
-    exported = exported_metric_names()
+    exported = exported_series_names()
     for title, ref, expr in dashboard_queries():
-        unknown = metric_names(expr) - exported.keys()
+        unknown = metric_names(expr) - exported
         assert not unknown, f"panel {title!r} {ref}: {sorted(unknown)} not exported; exported: {sorted(exported)}"
 
 
 @pytest.mark.unit
 def test_operations_doc_lists_every_exported_metric():
     doc = OPERATIONS_DOC.read_text()
-    families = {re.sub(r"_(bucket|sum|count|created)$", "", n) for n in exported_metric_names()}
-    missing = sorted(f for f in families if f"`{f}`" not in doc and f"`{f}_total`" not in doc)
-    assert not missing, f"docs/operations.md lacks {missing}"
+    documented = {name for name, kind in exported_families().items()
+                  if f"`{name}{'_total' if kind == 'counter' else ''}`" in doc}
+    assert documented == set(exported_families()), f"docs/operations.md lacks {set(exported_families()) - documented}"
 
 
 # -- Prometheus ------------------------------------------------------------
@@ -127,15 +143,16 @@ class Prometheus:
         config = {"global": {"scrape_interval": f"{SCRAPE_INTERVAL_S}s",
                              "scrape_timeout": f"{SCRAPE_INTERVAL_S}s"}, "scrape_configs": scrape_configs}
         (workdir / "prometheus.yml").write_text(yaml.safe_dump(config))
-        self.log = open(workdir / "prometheus.log", "wb")
-        self.proc = subprocess.Popen(
-            [prometheus_binary(), f"--config.file={workdir / 'prometheus.yml'}",
-             f"--storage.tsdb.path={workdir / 'tsdb'}", f"--web.listen-address=127.0.0.1:{self.port}"],
-            stdout=self.log, stderr=subprocess.STDOUT)
+        self.log_path = workdir / "prometheus.log"
+        with open(self.log_path, "wb") as log:  # the child keeps its own descriptor
+            self.proc = subprocess.Popen(
+                [prometheus_binary(), f"--config.file={workdir / 'prometheus.yml'}",
+                 f"--storage.tsdb.path={workdir / 'tsdb'}", f"--web.listen-address=127.0.0.1:{self.port}"],
+                stdout=log, stderr=subprocess.STDOUT)
         wait_for(lambda: self._ready(), 30, 0.2, what="prometheus /-/ready")
 
     def _ready(self) -> bool:
-        assert self.proc.poll() is None, (Path(self.log.name).read_text())[-3000:]
+        assert self.proc.poll() is None, self.log_path.read_text()[-3000:]
         try:
             with urllib.request.urlopen(f"{self.url}/-/ready", timeout=1) as resp:
                 return resp.status == 200
@@ -155,7 +172,6 @@ class Prometheus:
 
     def stop(self) -> None:
         stop_process(self.proc)
-        self.log.close()
 
 
 def stop_process(proc: subprocess.Popen) -> None:
@@ -179,14 +195,16 @@ def substitute(expr: str, range_s: int) -> str:
 
 def start_local_run(workdir: Path, metrics_port: int) -> subprocess.Popen:
     spec = {**RUN_SPEC, "trainer": {**RUN_SPEC["trainer"], "metricsPort": metrics_port,
-                                    "logDir": str(workdir / "run")}}
+                                    "logDir": str(workdir / "run")},
+            "checkpoint": {**RUN_SPEC["checkpoint"], "dir": str(workdir / "checkpoints")}}
     config = workdir / "run.yaml"
     config.write_text(yaml.safe_dump(spec))
+    (workdir / "dashboard_reward.py").write_text(REWARD_MODULE)
     env = {**os.environ, "DISTFLOW_JOB_NAME": RUN_NAME,
-           "PYTHONPATH": os.pathsep.join([str(REPO / "worker_image"), str(REPO / "operator")])}
-    log = open(workdir / "run.log", "wb")
-    return subprocess.Popen([sys.executable, "-m", "distflow.cli", "run", str(config), "--no-resume"],
-                            stdout=log, stderr=subprocess.STDOUT, env=env)
+           "PYTHONPATH": os.pathsep.join([str(REPO / "worker_image"), str(REPO / "operator"), str(workdir)])}
+    with open(workdir / "run.log", "wb") as log:
+        return subprocess.Popen([sys.executable, "-m", "distflow.cli", "run", str(config), "--no-resume"],
+                                stdout=log, stderr=subprocess.STDOUT, env=env)
 
 
 def drive_operator_job(control_plane, api: Api, namespace: str) -> None:
@@ -215,7 +233,7 @@ def test_every_dashboard_query_returns_series_from_a_scraped_run(control_plane, 
             wait_for(lambda: prometheus.api("query", query='up{job="distflow-operator"} == 1')["result"], 30,
                      0.2, what="Prometheus scraped the operator")
             drive_operator_job(control_plane, Api(control_plane, k8s_namespace), k8s_namespace)
-            assert run.wait(timeout=300) == 0, (tmp_path / "run.log").read_text()[-3000:]
+            assert run.wait(timeout=600) == 0, (tmp_path / "run.log").read_text()[-3000:]
             time.sleep(2 * SCRAPE_INTERVAL_S)
         end = time.time()
         range_s = int(end - start) + 1
@@ -232,7 +250,7 @@ def test_every_dashboard_query_returns_series_from_a_scraped_run(control_plane, 
         stop_process(run)
         prometheus.stop()
     png = Path(os.environ.get("DISTFLOW_DASHBOARD_PNG") or tmp_path / "dashboard.png")
-    render_dashboard(results, start, png)
+    render_dashboard(results, start, end, png)
     assert png.stat().st_size > 20_000
 
 
@@ -246,7 +264,7 @@ def legend(fmt: str, labels: dict[str, str]) -> str:
     return re.sub(r"\{\{\s*(\w+)\s*\}\}", lambda m: labels.get(m.group(1), ""), fmt).strip() or "value"
 
 
-def render_dashboard(results: dict, start: float, path: Path) -> None:
+def render_dashboard(results: dict, start: float, end: float, path: Path) -> None:
     """Draw every panel at its gridPos (24 columns) from the query results."""
     import matplotlib
 
@@ -261,6 +279,7 @@ def render_dashboard(results: dict, start: float, path: Path) -> None:
         pos = panel["gridPos"]
         ax = fig.add_subplot(grid[pos["y"]:pos["y"] + pos["h"] - 1, pos["x"]:pos["x"] + pos["w"]])
         draw_panel(ax, panel, results, start)
+        ax.set_xlim(0, end - start)  # one time range for every panel, as in Grafana
     fig.suptitle("distflow — Grafana dashboard panels from Prometheus (local 2-node run + operator)",
                  color="white", fontsize=14)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -282,7 +301,7 @@ def draw_panel(ax, panel: dict, results: dict, start: float) -> None:
         for series in results[(panel["title"], target["refId"])]:
             points = np.array([(float(t) - start, float(v)) for t, v in series["values"] if v not in NOT_A_VALUE])
             label = legend(target["legendFormat"], series["metric"])
-            dashed = label.endswith((" step", " desired"))
+            dashed = label.endswith((" step", " desired", " checkpoint"))
             if stacked and not dashed:
                 seconds = np.arange(0, points[-1, 0] + 1)
                 values = np.interp(seconds, points[:, 0], points[:, 1], left=0.0, right=0.0)

@@ -13,6 +13,7 @@ import pytest
 import yaml
 
 from distflow.spec import load_job_spec, parse_spec
+from distflow_operator.observed import parse_time
 from tests.controlplane.cluster import free_port
 from tests.operator._helpers import (  # noqa: F401  (fixtures)
     EXAMPLE, api, crd, example_job, kubectl_get_rljob, operator, operator_kubeconfig_path,
@@ -69,6 +70,9 @@ def test_kubectl_apply_example_creates_children_and_reaches_running(control_plan
     assert (columns["PHASE"], columns["NODES"], columns["RESTARTS"]) == ("Running", "2/2", "0")
     reasons = [e["reason"] for e in api.events("grpo-tiny")]
     assert "CreatedNodePods" in reasons and "AllNodesRunning" in reasons
+    meta = api.job("grpo-tiny")["metadata"]
+    assert not meta.get("finalizers")  # deletable with or without a running operator
+    assert not [k for k in meta.get("annotations", {}) if "kopf" in k]  # kopf writes no bookkeeping
 
 
 class _Metrics(http.server.BaseHTTPRequestHandler):
@@ -111,7 +115,7 @@ def test_progress_scraped_from_node_0_fills_step_and_tokens_columns(control_plan
 
 def test_failed_node_restarts_the_gang_then_max_restarts_fails_the_job(control_plane, k8s_namespace, api,
                                                                        operator):
-    api.create_job(example_job("flaky", runPolicy={"maxRestarts": 1, "backoffSeconds": 0}))
+    api.create_job(example_job("flaky", runPolicy={"maxRestarts": 1, "backoffSeconds": 2}))
     first = api.wait_running_gang("flaky", attempt=1, num_nodes=2)
     control_plane.set_pod_phase(k8s_namespace, "flaky-node-1", "Failed", exit_code=1)
 
@@ -119,7 +123,9 @@ def test_failed_node_restarts_the_gang_then_max_restarts_fails_the_job(control_p
     assert {p["metadata"]["uid"] for p in second}.isdisjoint(p["metadata"]["uid"] for p in first)
     assert [env_of(p)["DISTFLOW_ATTEMPT"] for p in second] == ["2", "2"]
     status = api.wait_phase("flaky", "Running", attempt=2)
-    assert status["restarts"] == 1 and "lastRestartTime" in status
+    assert status["restarts"] == 1
+    waited = parse_time(second[0]["metadata"]["creationTimestamp"]) - parse_time(status["lastRestartTime"])
+    assert waited.total_seconds() >= 2  # runPolicy.backoffSeconds before the first restart
     restart = next(e for e in api.events("flaky") if e["reason"] == "NodeFailed")
     assert restart["type"] == "Warning" and "flaky-node-1 failed" in restart["message"]
 
@@ -218,3 +224,23 @@ def _get(url: str) -> str | None:
         return urllib.request.urlopen(url, timeout=2).read().decode()
     except OSError:
         return None
+
+
+def test_success_is_terminal_and_ttl_deletes_the_finished_job(control_plane, k8s_namespace, api, operator):
+    api.create_job(example_job("quick", runPolicy={"ttlSecondsAfterFinished": 2}))
+    api.wait_running_gang("quick", attempt=1, num_nodes=2)
+    for rank in (0, 1):
+        control_plane.set_pod_phase(k8s_namespace, f"quick-node-{rank}", "Succeeded")
+    status = api.wait_phase("quick", "Succeeded")
+    assert status["reason"] == "Completed" and "completionTime" in status
+    assert len(api.pods("quick")) == 2  # finished pods stay for their logs until the TTL
+    wait_for(lambda: api.job("quick") is None, 20, 0.2, what="job deleted by its TTL")
+
+
+def test_active_deadline_fails_a_running_job_and_frees_its_nodes(k8s_namespace, api, operator):
+    api.create_job(example_job("bounded", runPolicy={"activeDeadlineSeconds": 2}))
+    api.wait_running_gang("bounded", attempt=1, num_nodes=2)
+    status = api.wait_phase("bounded", "Failed", timeout_s=20)
+    assert status["reason"] == "DeadlineExceeded"
+    assert "runPolicy.activeDeadlineSeconds=2" in status["message"]
+    wait_for(lambda: not api.live_pods("bounded"), 20, what="pods deleted")

@@ -153,7 +153,7 @@ def test_generated_bad_specs_are_rejected_naming_the_field_or_failed_with_a_reas
         for problem in err.value.problems:  # same field path (CEL messages carry no numbers)
             assert problem.split(": ")[0] in body["message"], (problem, body["message"])
 
-    for i, (path, value, field) in enumerate(OPERATOR_REJECTED):
+    for i, (path, value, _) in enumerate(OPERATOR_REJECTED):
         status, body = api.create_job(mutate(base_job(f"late-{i}"), path, value))
         assert status == 201, body
     for i, (_, _, field) in enumerate(OPERATOR_REJECTED):
@@ -203,7 +203,7 @@ def test_random_mutations_never_crash_the_operator_and_agree_with_the_model(api,
             assert status in (400, 422) and "spec." in body["message"], body
     assert accepted, "the fuzz should also produce valid jobs"
     for name, spec in accepted.items():
-        status = wait_for(lambda: (s := api.status(name)).get("phase") in ("Suspended", "Failed") and s,
+        status = wait_for(lambda name=name: (s := api.status(name)).get("phase") in ("Suspended", "Failed") and s,
                           20, what=f"{name} handled")
         try:
             parse_spec(spec)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 import copy
 from dataclasses import replace
 from pathlib import Path
@@ -10,6 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from distflow_operator.kube import ChildConflict
 from distflow_operator.metrics import OperatorMetrics
 from distflow_operator.observed import pod_view
 from distflow_operator.reconcile import Reconciler
@@ -27,6 +29,7 @@ class FakeApi:
         self.pods, self.update_index_status = pods, update_index_status
         self.calls: list[tuple] = []
         self.jobs: dict = {}
+        self.taken: set[str] = set()
 
     def patch_job_status(self, namespace, name, patch):
         self.calls.append(("status", patch.get("phase"), patch.get("attempt")))
@@ -37,6 +40,8 @@ class FakeApi:
 
     def ensure(self, obj, owner):
         self.calls.append(("ensure", obj["kind"]))
+        if obj["metadata"]["name"] in self.taken:
+            raise ChildConflict(f"{obj['kind']} {obj['metadata']['name']} exists and is not controlled by it")
 
     def create(self, pod):
         self.calls.append(("create", pod["metadata"]["name"], pod["metadata"]["labels"]["distflow.io/attempt"]))
@@ -171,3 +176,30 @@ def test_a_deleted_job_is_forgotten_with_its_metric_series():
     api.jobs.clear()
     assert asyncio.run(reconciler.reconcile(KEY)) is None
     assert KEY not in metrics._jobs and reconciler.num_jobs == 0
+
+
+def test_a_name_taken_by_a_foreign_object_is_reported_on_the_job_and_retried():
+    reconciler, api, doc, pods, _ = setup()
+    api.taken.add("grpo-tiny")  # someone else's Service
+    with pytest.raises(ChildConflict):
+        asyncio.run(reconciler.reconcile(KEY))
+    assert api.calls[-1] == ("event", "ReconcileError")
+    assert not [c for c in api.calls if c[0] == "create"]
+
+
+def test_each_requeue_after_wakes_the_job_again():
+    reconciler, api, doc, pods, _ = setup()
+    runs = []
+
+    async def timed(key):
+        runs.append(asyncio.get_running_loop().time())
+        return 0.1 if len(runs) < 4 else None
+
+    reconciler.reconcile = timed
+
+    async def scenario():
+        reconciler.kick(KEY)
+        await asyncio.sleep(0.6)
+    asyncio.run(scenario())
+    assert len(runs) == 4
+    assert all(b - a >= 0.09 for a, b in itertools.pairwise(runs))

@@ -3,9 +3,9 @@
 Layout under ``checkpoint.dir``::
 
     step_00000012/           complete checkpoint (renamed into place last)
-        .metadata, *.distcp  torch.distributed.checkpoint shards (actor model + optimizer)
+        .metadata, *.distcp  torch.distributed.checkpoint shards (actor, and critic if any: model + optimizer)
         rank_00000.pt        per-rank RNG state
-        trainer.json         step, dataloader state (global), world size
+        trainer.json         step, dataloader state (global), world size, in-reward KL coefficient
     step_00000016.tmp/       being written; ignored by resume, removed by the next save
 
 Every rank writes its shards into the ``.tmp`` directory, a barrier follows,
@@ -66,11 +66,12 @@ def save(root: str | Path, step: int, worker, keep_last: int) -> Path:
         tmp.mkdir(parents=True)
     dist.barrier()
     model_sd, optim_sd = get_state_dict(worker.actor.model, worker.actor.optimizer)
-    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp))
+    dcp.save({"model": model_sd, "optim": optim_sd, **_critic_state(worker)}, checkpoint_id=str(tmp))
     torch.save({"rng": _rng_state()}, tmp / f"rank_{rank:05d}.pt")
     dist.barrier()
     if rank == 0:
-        meta = {"step": step, "loader": worker.loader.state_dict(), "world_size": dist.get_world_size()}
+        meta = {"step": step, "loader": worker.loader.state_dict(), "world_size": dist.get_world_size(),
+                "kl_ctrl": worker.kl_ctrl.state_dict()}
         (tmp / "trainer.json").write_text(json.dumps(meta))
         shutil.rmtree(final, ignore_errors=True)
         tmp.rename(final)
@@ -78,6 +79,14 @@ def save(root: str | Path, step: int, worker, keep_last: int) -> Path:
             shutil.rmtree(old, ignore_errors=True)
     dist.barrier()
     return final
+
+
+def _critic_state(worker) -> dict:
+    """The critic's model and optimizer state dicts, when the workflow trains one (ppo)."""
+    if worker.critic is None:
+        return {}
+    model_sd, optim_sd = get_state_dict(worker.critic.model, worker.critic.optimizer)
+    return {"critic": model_sd, "critic_optim": optim_sd}
 
 
 def load_latest(root: str | Path, worker) -> int:
@@ -91,10 +100,15 @@ def load_latest(root: str | Path, worker) -> int:
     path = found[-1]
     meta = json.loads((path / "trainer.json").read_text())
     model_sd, optim_sd = get_state_dict(worker.actor.model, worker.actor.optimizer)
-    state = {"model": model_sd, "optim": optim_sd}
+    state = {"model": model_sd, "optim": optim_sd, **_critic_state(worker)}
     dcp.load(state, checkpoint_id=str(path))
     set_state_dict(worker.actor.model, worker.actor.optimizer,
                    model_state_dict=state["model"], optim_state_dict=state["optim"])
+    if worker.critic is not None:
+        set_state_dict(worker.critic.model, worker.critic.optimizer,
+                       model_state_dict=state["critic"], optim_state_dict=state["critic_optim"])
+    if "kl_ctrl" in meta:
+        worker.kl_ctrl.load_state_dict(meta["kl_ctrl"])
     worker.loader.load_state_dict(meta["loader"])
     rank_file = path / f"rank_{dist.get_rank():05d}.pt"
     if rank_file.is_file() and meta.get("world_size") == dist.get_world_size():

@@ -12,7 +12,9 @@ Exit codes: 0 done, 1 training failed, 2 invalid config (nothing started).
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+import traceback
 
 from distflow.errors import DistflowConfigError
 from distflow.launcher import EXIT_FAILED, EXIT_INVALID_CONFIG, EXIT_OK
@@ -99,14 +101,38 @@ COMMANDS = {"run": cmd_run, "plan": cmd_plan, "validate": cmd_validate, "node": 
             "model": cmd_model}
 
 
+def _termination_message(text: str) -> None:
+    """Write why the node failed where the kubelet copies it into the container status.
+
+    Only when DISTFLOW_TERMINATION_LOG names the file (the operator sets it to
+    the container's terminationMessagePath), so local runs write nothing.
+    """
+    path = os.environ.get("DISTFLOW_TERMINATION_LOG")
+    if path:
+        try:
+            with open(path, "w") as f:
+                f.write(text[-4000:])
+        except OSError:
+            pass
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    in_pod = args.command == "node"
     try:
         return COMMANDS[args.command](args)
     except DistflowConfigError as err:
         print(f"distflow: {err}", file=sys.stderr)
+        if in_pod:
+            _termination_message(f"InvalidConfig: {err}")
         return EXIT_INVALID_CONFIG
     except KeyboardInterrupt:
+        return EXIT_FAILED
+    except Exception as err:
+        if not in_pod:
+            raise
+        traceback.print_exc()
+        _termination_message(f"{type(err).__name__}: {err}")
         return EXIT_FAILED
 
 

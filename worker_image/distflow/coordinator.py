@@ -78,7 +78,15 @@ class DataCoordinator:
             return
         self._move(node.placement, edge)
 
-    def _move(self, placement: str, edge: str) -> None:
+    def regroup(self, target: list[list[int]], edge: str) -> None:
+        """Move samples within the current placement so rank r holds ``target[r]`` (collective).
+
+        Sample ids number every rank's samples in rank-then-local order. Used
+        by nodes that change the sample set mid-step (DAPO dynamic sampling).
+        """
+        self._move(self.placement, edge, target)
+
+    def _move(self, placement: str, edge: str, target: list[list[int]] | None = None) -> None:
         batch = self.batch
         lengths = allgather_lengths(batch.seq_lens)
         holdings, offset = [], 0
@@ -86,7 +94,8 @@ class DataCoordinator:
             holdings.append(list(range(offset, offset + lens.numel())))
             offset += lens.numel()
         flat = torch.cat(lengths).tolist() if lengths else []
-        target = self._target(placement, holdings, flat, batch)
+        if target is None:
+            target = self._target(placement, holdings, flat, batch)
         plan = plan_redistribution(holdings, target)
         run = exchange_centralized if self.centralized else exchange
         kwargs = dict(all_lengths=lengths)

@@ -41,6 +41,8 @@ class NodeExporter:
                        for key, (name, doc) in STEP_GAUGES.items()}
         self.bytes = Counter("distflow_redistributed_bytes", "Bytes sent by a rank's data plane",
                              names + ["rank", "edge"], registry=self.registry)
+        self.checkpoint_step = Gauge("distflow_checkpoint_step", "Step of the last complete checkpoint",
+                                     names, registry=self.registry)
         self.cache_hits = Counter("distflow_local_cache_hits", "Edges that moved zero bytes",
                                   names, registry=self.registry)
         self.exchanges = Counter("distflow_edge_exchanges", "Edges crossed (cache hit or transfer)",
@@ -64,3 +66,6 @@ class NodeExporter:
             self.bytes.labels(**lab, rank=str(rank), edge=edge).inc(value)
         self.cache_hits.labels(**lab).inc(cache_hits)
         self.exchanges.labels(**lab).inc(exchanges)
+
+    def observe_checkpoint(self, step: int) -> None:
+        self.checkpoint_step.labels(**self.labels).set(step)

@@ -119,9 +119,17 @@ def builtin_workflow(name: str, spec: JobSpec) -> list[WorkflowNodeSpec]:
     """The node list of a built-in workflow.
 
     grpo/dapo: rollout -> reward -> advantage; rollout -> reference; both -> actor.
-    The old-log-prob pass is added only when the actor takes several optimizer
-    steps per batch (otherwise the ratio is exactly 1 and it would be wasted).
-    ppo additionally runs a critic (values, critic update).
+    ppo adds a critic: values before GAE, the critic update after it.
+
+        rollout -> reward -> [dynamic_sampling] -> [reward_shaping] -> advantage -> [critic_update]
+                                   +-> reference, [old_log_prob], [values] -----+-> actor_update
+
+    Optional nodes come from the algorithm: ``dynamic_sampling`` with
+    ``filterGroups`` (dapo's default; every model pass then depends on it,
+    since it replaces samples); ``reward_shaping`` with ``overlongBuffer`` or
+    ``useKlInReward``; the reference with either KL use; the old-log-prob
+    pass when the actor takes several optimizer steps per batch (otherwise
+    the ratio is exactly 1 and it would be wasted) or KL is in the reward.
 
     Raises:
         DistflowConfigError: unknown name.
@@ -130,21 +138,31 @@ def builtin_workflow(name: str, spec: JobSpec) -> list[WorkflowNodeSpec]:
         raise DistflowConfigError(
             f"spec.workflow.name: unknown workflow {name!r}; choose one of {', '.join(BUILTIN_WORKFLOWS)} "
             "or give spec.workflow.nodes")
+    alg = spec.algorithm
     nodes = [_node("rollout", "rollout", "inference"),
              _node("reward", "reward", "compute", ["rollout"])]
+    samples, scored = "rollout", "reward"
+    if alg.filter_groups.enable:
+        nodes.append(_node("dynamic_sampling", "filter_groups", "compute", ["reward"]))
+        samples = scored = "dynamic_sampling"
     actor_deps = ["advantage"]
-    if spec.algorithm.use_kl_loss:
-        nodes.append(_node("reference", "reference", "inference", ["rollout"]))
-        actor_deps.append("reference")
-    if _needs_old_log_probs(spec):
-        nodes.append(_node("old_log_prob", "old_log_prob", "inference", ["rollout"]))
+    if alg.use_kl_loss or alg.use_kl_in_reward:
+        nodes.append(_node("reference", "reference", "inference", [samples]))
+        actor_deps += ["reference"] if alg.use_kl_loss else []
+    if _needs_old_log_probs(spec) or alg.use_kl_in_reward:
+        nodes.append(_node("old_log_prob", "old_log_prob", "inference", [samples]))
         actor_deps.append("old_log_prob")
-    adv_deps = ["reward"]
+    adv_deps = []
     if name == "ppo":
-        nodes.append(_node("values", "values", "inference", ["rollout"]))
+        nodes.append(_node("values", "values", "inference", [samples]))
         adv_deps.append("values")
+    if alg.overlong_buffer.enable or alg.use_kl_in_reward:
+        kl_deps = ["reference", "old_log_prob"] if alg.use_kl_in_reward else []
+        nodes.append(_node("reward_shaping", "reward_shaping", "compute", [scored, *kl_deps]))
+        scored = "reward_shaping"
+    nodes.append(_node("advantage", "advantage", "compute", [scored, *adv_deps]))
+    if name == "ppo":
         nodes.append(_node("critic_update", "critic", "train", ["advantage"]))
-    nodes.append(_node("advantage", "advantage", "compute", adv_deps))
     nodes.append(_node("actor_update", "actor", "train", actor_deps))
     return nodes
 
@@ -175,6 +193,30 @@ def _validate_nodes(nodes: list[WorkflowNodeSpec]) -> list[str]:
         problems.append("spec.workflow.nodes: exactly one node must have role rollout")
     if not any(n.role == "actor" and n.kind == "train" for n in nodes):
         problems.append("spec.workflow.nodes: no node trains the actor (role actor, kind train)")
+    if any(n.role == "critic" for n in nodes) and not any(n.role == "values" for n in nodes):
+        problems.append("spec.workflow.nodes: a critic node needs a values node (the rollout-time "
+                        "values it clips around); add one with role values")
+    return problems + _filter_problems(nodes)
+
+
+def _filter_problems(nodes: list[WorkflowNodeSpec]) -> list[str]:
+    """A filter_groups node replaces the step's samples: every node not upstream of it must run after it."""
+    deps = {n.id: n.deps for n in nodes}
+
+    def upstream(node_id: str, seen: set[str]) -> set[str]:
+        for d in deps.get(node_id, ()):
+            if d not in seen:
+                seen.add(d)
+                upstream(d, seen)
+        return seen
+
+    problems = []
+    for f in (n for n in nodes if n.role == "filter_groups"):
+        before = upstream(f.id, set())
+        for n in nodes:
+            if n.id != f.id and n.id not in before and f.id not in upstream(n.id, set()):
+                problems.append(f"spec.workflow.nodes: {n.id!r} must depend (directly or not) on the "
+                                f"filter_groups node {f.id!r}, which replaces the step's samples")
     return problems
 
 
@@ -206,12 +248,15 @@ def _placement(node: WorkflowNodeSpec, spec: JobSpec, placed: dict[str, str]) ->
         return ROLLOUT
     if node.kind == "train" or node.role in ("reference", "old_log_prob", "values"):
         return TRAIN
-    if node.role == "reward":
-        return ROLLOUT  # ground truths stay where the prompts were read
+    if node.role in ("reward", "filter_groups"):
+        return ROLLOUT  # ground truths stay where the prompts were read; groups stay whole
     if node.role == "advantage" and spec.algorithm.advantage_estimator in GROUP_ESTIMATORS:
         return ROLLOUT
     if "placement" in node.options:
         return str(node.options["placement"])
+    if node.role in ("advantage", "reward_shaping"):
+        # No group statistics: run where the data already is, rather than move it back.
+        return TRAIN if any(placed.get(d) == TRAIN for d in node.deps) else ROLLOUT
     first = node.deps[0] if node.deps else None
     return placed.get(first, ROLLOUT)
 

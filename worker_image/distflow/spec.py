@@ -19,7 +19,7 @@ from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
-from pydantic.alias_generators import to_camel
+from pydantic.alias_generators import to_camel, to_snake
 
 from distflow.errors import DistflowConfigError
 
@@ -37,7 +37,7 @@ KL_ESTIMATORS = ("k1", "k2", "k3", "low_var_kl", "abs")
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 BUILTIN_WORKFLOWS = ("grpo", "ppo", "dapo")
 NODE_ROLES = ("rollout", "reward", "reference", "old_log_prob", "advantage", "actor", "critic",
-              "values", "custom")
+              "values", "custom", "reward_shaping", "filter_groups")
 NODE_KINDS = ("inference", "train", "compute")
 
 
@@ -116,6 +116,37 @@ class RolloutSpec(_Spec):
     """Sequences generated at once per rank."""
 
 
+class KLControlSpec(_Spec):
+    type: Literal["fixed", "adaptive"] = "fixed"
+    """fixed: a constant coefficient; adaptive: steered towards `targetKl` (Ziegler et al. 2019)."""
+    kl_coef: float = Field(default=0.001, ge=0.0)
+    """Coefficient of the KL penalty in the reward (adaptive: its starting value)."""
+    target_kl: float = Field(default=0.1, gt=0.0)
+    """adaptive: the per-sequence mean KL (nats) to hold."""
+    horizon: int = Field(default=10000, ge=1)
+    """adaptive: samples over which a full (clipped, 20%) error moves the coefficient by 20%."""
+
+
+class FilterGroupsSpec(_Spec):
+    enable: bool = False
+    """DAPO dynamic sampling (Yu et al. 2025): drop prompt groups whose task scores all agree
+    (they carry no group-relative signal) and refill the batch from further rollouts."""
+    max_num_gen_batches: int = Field(default=4, ge=1)
+    """Generation rounds per step at most, the first included. If they yield fewer than
+    `data.trainBatchSize` groups with signal, the batch is filled up with dropped groups
+    (zero advantage under GRPO); `dapo/padded_groups` counts them."""
+
+
+class OverlongBufferSpec(_Spec):
+    enable: bool = False
+    """DAPO soft overlong punishment: responses within `length` tokens of
+    `data.maxResponseLength` lose up to `penaltyFactor` reward, linearly."""
+    length: int | None = Field(default=None, ge=1)
+    """The buffer, in tokens (None: a quarter of data.maxResponseLength)."""
+    penalty_factor: float = Field(default=1.0, ge=0.0)
+    """Penalty of a response that reaches data.maxResponseLength."""
+
+
 class AlgorithmSpec(_Spec):
     advantage_estimator: str = "grpo"
     """One of grpo, drgrpo, rloo, reinforce_plus_plus, reinforce_plus_plus_baseline, gae."""
@@ -143,6 +174,17 @@ class AlgorithmSpec(_Spec):
     """KL estimator: k1, k2, k3, low_var_kl or abs."""
     entropy_coeff: float = Field(default=0.0, ge=0.0)
     """Entropy bonus weight."""
+    use_kl_in_reward: bool = False
+    """Subtract klCtrl's coefficient x KL(actor || reference) from the token rewards before
+    the advantages (PPO-style, Ziegler et al. 2019); plans the reference and old-log-prob passes."""
+    kl_penalty: Literal[KL_ESTIMATORS] = "k1"
+    """KL estimator of the in-reward penalty: k1, k2, k3, low_var_kl or abs."""
+    kl_ctrl: KLControlSpec = Field(default_factory=KLControlSpec)
+    """Coefficient of the in-reward KL penalty: fixed or adaptive."""
+    filter_groups: FilterGroupsSpec = Field(default_factory=FilterGroupsSpec)
+    """DAPO dynamic sampling."""
+    overlong_buffer: OverlongBufferSpec = Field(default_factory=OverlongBufferSpec)
+    """DAPO overlong reward shaping."""
 
     @model_validator(mode="after")
     def _known_names(self) -> "AlgorithmSpec":
@@ -168,6 +210,28 @@ class ActorSpec(_Spec):
     """Sequences per forward/backward on a rank (gradient accumulation above it)."""
 
 
+class CriticSpec(_Spec):
+    path: str | None = None
+    """Backbone of the value model, in model.path's forms (None: the policy's model.path).
+    A scalar head on the last hidden state, initialised to 0, gives V(s_t)."""
+    lr: float = Field(default=1e-5, gt=0.0)
+    """AdamW learning rate."""
+    weight_decay: float = Field(default=0.0, ge=0.0)
+    """AdamW weight decay."""
+    grad_clip: float = Field(default=1.0, gt=0.0)
+    """Max global gradient norm."""
+    cliprange_value: float = Field(default=0.5, ge=0.0)
+    """Value clipping: new values stay within this distance (reward units) of the rollout-time values."""
+    loss_agg_mode: Literal[LOSS_AGG_MODES] = "token-mean"
+    """How the per-token value loss is reduced (normalised by global counts, like the actor's)."""
+    ppo_mini_batch_size: int | None = Field(default=None, ge=1)
+    """Prompts per critic optimizer step (None: actor.ppoMiniBatchSize)."""
+    ppo_epochs: int | None = Field(default=None, ge=1)
+    """Passes over each batch (None: actor.ppoEpochs)."""
+    micro_batch_size: int = Field(default=4, ge=1)
+    """Sequences per forward/backward on a rank."""
+
+
 class WorkflowNodeSpec(_Spec):
     id: str = Field(pattern=r"^[a-z][a-z0-9_]*$")
     """Unique node id."""
@@ -185,7 +249,10 @@ class WorkflowNodeSpec(_Spec):
 
 class WorkflowSpec(_Spec):
     name: str | None = "grpo"
-    """A built-in workflow: grpo, ppo or dapo. Ignored when `nodes` is given."""
+    """A built-in workflow: grpo, ppo or dapo. Ignored when `nodes` is given.
+    ppo defaults algorithm.advantageEstimator to gae and useKlLoss to false; dapo defaults
+    clipRatioHigh to 0.28, useKlLoss to false, filterGroups and overlongBuffer to enabled.
+    Values set explicitly win."""
     nodes: list[WorkflowNodeSpec] | None = None
     """A user workflow: a DAG of nodes."""
 
@@ -298,6 +365,8 @@ class JobSpec(_Spec):
     """Advantages, losses, KL."""
     actor: ActorSpec = Field(default_factory=ActorSpec)
     """Optimizer and batching of the actor update."""
+    critic: CriticSpec = Field(default_factory=CriticSpec)
+    """The value model, trained when the workflow has critic nodes (ppo)."""
     workflow: WorkflowSpec = Field(default_factory=WorkflowSpec)
     """The DAG every worker runs."""
     cluster: ClusterSpec = Field(default_factory=ClusterSpec)
@@ -319,12 +388,42 @@ class JobSpec(_Spec):
     def world_size(self) -> int:
         return self.cluster.num_nodes * self.cluster.procs_per_node
 
+    @model_validator(mode="before")
+    @classmethod
+    def _workflow_defaults(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        workflow = data.get("workflow") or {}
+        if not isinstance(workflow, dict) or workflow.get("nodes"):
+            return data
+        return _with_defaults(data, WORKFLOW_DEFAULTS.get(workflow.get("name") or "grpo", {}))
+
     @model_validator(mode="after")
     def _sizes_fit(self) -> "JobSpec":
         problems = [p for p in _size_problems(self)]
         if problems:
             raise ValueError("\n".join(problems))
         return self
+
+
+WORKFLOW_DEFAULTS: dict[str, dict[str, Any]] = {
+    "ppo": {"algorithm": {"advantageEstimator": "gae", "useKlLoss": False}},
+    "dapo": {"algorithm": {"clipRatioHigh": 0.28, "useKlLoss": False,
+                           "filterGroups": {"enable": True}, "overlongBuffer": {"enable": True}}},
+}
+"""What a built-in workflow implies (Yu et al. 2025 for dapo); a value the user gives wins."""
+
+
+def _with_defaults(data: dict[str, Any], defaults: dict[str, Any]) -> dict[str, Any]:
+    """``data`` with every key of ``defaults`` (camelCase) it lacks in either spelling, recursively."""
+    out = dict(data)
+    for key, default in defaults.items():
+        given = next((k for k in (key, to_snake(key)) if k in out), None)
+        if given is None:
+            out[key] = default
+        elif isinstance(default, dict) and isinstance(out[given], dict):
+            out[given] = _with_defaults(out[given], default)
+    return out
 
 
 def _check_choice(path: str, value: str, choices: tuple[str, ...]) -> None:
@@ -349,6 +448,25 @@ def _size_problems(spec: JobSpec):
                f"use a divisor of {batch}")
     if spec.rollout.engine == "hf" and tp != 1:
         yield "rollout.tensorParallelSize: the hf engine runs with 1; set it to 1 or use engine vllm"
+    yield from _algorithm_problems(spec)
+
+
+def _algorithm_problems(spec: JobSpec):
+    alg, batch = spec.algorithm, spec.data.train_batch_size
+    mini = spec.critic.ppo_mini_batch_size
+    if mini is not None and batch % mini:
+        yield (f"critic.ppoMiniBatchSize: {mini} does not divide data.trainBatchSize={batch}; "
+               f"use a divisor of {batch}")
+    buffer = alg.overlong_buffer.length
+    if alg.overlong_buffer.enable and buffer is not None and buffer > spec.data.max_response_length:
+        yield (f"algorithm.overlongBuffer.length: {buffer} tokens exceed data.maxResponseLength="
+               f"{spec.data.max_response_length}; use at most that")
+    if alg.filter_groups.enable and spec.rollout.n < 2:
+        yield ("algorithm.filterGroups.enable: a group of rollout.n=1 response never has differing "
+               "scores, so every group would be dropped; set rollout.n >= 2 or disable it")
+    if spec.workflow.nodes is None and spec.workflow.name == "ppo" and alg.advantage_estimator != "gae":
+        yield (f"algorithm.advantageEstimator: the ppo workflow trains its critic on GAE returns, "
+               f"not {alg.advantage_estimator!r}; use gae (or workflow grpo/dapo)")
 
 
 def _format_validation_error(err: ValidationError, root: str) -> list[str]:

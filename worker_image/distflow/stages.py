@@ -10,10 +10,11 @@ Fields added (packed token fields span prompt + response, 0 on prompt tokens):
 
     rollout        input_ids, response_mask [T_total]; prompt_len, response_len, group_index [B]
     reward         token_level_scores [T_total] (score on the last response token); scores [B]
-    advantage      advantages, returns [T_total]
+    advantage      advantages, returns [T_total] (from token_level_rewards when a node shaped them)
     reference      ref_log_probs [T_total]
     old_log_prob   old_log_probs [T_total]
     actor (train)  updates the actor, then syncs the rollout copy
+    values, critic, reward_shaping, filter_groups: see ``distflow.stages_ppo``
 """
 
 from __future__ import annotations
@@ -80,8 +81,10 @@ def run_advantage(worker, node: PlannedNode) -> None:
     spec = worker.spec
     batch = worker.coordinator.batch
     mb = model_ops.collate(batch, worker.tokenizer.pad_token_id)
+    # A reward_shaping node (overlong penalty, KL in reward) sets token_level_rewards; else scores are rewards.
+    rewards = "token_level_rewards" if "token_level_rewards" in batch.token_fields else "token_level_scores"
     inputs = AdvantageInputs(
-        token_level_rewards=model_ops.window_field(mb, "token_level_scores"),
+        token_level_rewards=model_ops.window_field(mb, rewards),
         response_mask=mb.response_mask,
         group_index=batch.sample_fields["group_index"],
         values=model_ops.window_field(mb, "values") if "values" in batch.token_fields else None,
@@ -139,3 +142,7 @@ STAGES = {
     "actor": run_actor_update,
     "custom": run_custom,
 }
+
+from distflow.stages_ppo import PPO_STAGES  # noqa: E402  (values, critic, reward_shaping, filter_groups)
+
+STAGES.update(PPO_STAGES)

@@ -14,6 +14,7 @@ plus the samples a plan says must move.
 
 from __future__ import annotations
 
+import ctypes
 import os
 import random
 import time
@@ -32,14 +33,16 @@ from distflow.data.loader import ShardedPromptLoader
 from distflow.data.sources import open_source
 from distflow.engines import fsdp
 from distflow.engines.actor import Actor
+from distflow.engines.critic import build_critic
 from distflow.engines.rollout import SamplingParams, generate, render_prompts, response_texts
 from distflow.exporter import NodeExporter
 from distflow.metrics import JsonlWriter, StepMetrics
-from distflow.models import load_causal_lm, load_tokenizer
+from distflow.models import load_causal_lm, load_tokenizer, resolve_model
 from distflow.planner import ROLLOUT, build_plan
 from distflow.rewards import compute_scores
 from distflow.spec import JobSpec
 from distflow.stages import STAGES
+from distflow.stages_ppo import build_kl_controller
 from distflow.tasks import ArithmeticSource, ArithmeticTask
 
 
@@ -62,6 +65,18 @@ class WorkerEnv:
     """Prometheus port this node serves (0: none)."""
 
 
+def _release_freed_memory() -> None:
+    """Return the full-size load copies (freed after sharding) to the OS.
+
+    glibc keeps freed arenas mapped; without this a worker's resident memory
+    keeps the unsharded weights it loaded (about one model copy per model).
+    """
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
 def _seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed % 2**32)
@@ -72,6 +87,9 @@ class DagWorker:
     def __init__(self, spec: JobSpec, env: WorkerEnv):
         self.spec, self.env = spec, env
         self.plan = build_plan(spec)
+        # Served first: a pod is Ready (readiness probe on /metrics) once its runtime is up.
+        self.exporter = NodeExporter(env.job_name, env.node_rank, env.metrics_port) \
+            if env.local_rank == 0 else None
         info = fsdp.select_device(spec.cluster.device, env.local_rank)
         self.device = info.device
         threads = spec.trainer.num_threads or max(1, (os.cpu_count() or 1) // env.local_world_size)
@@ -83,6 +101,7 @@ class DagWorker:
         self.step = 0
         self.step_records: dict = {}
         self._build_models()
+        _release_freed_memory()
         self._build_data()
         self.metrics = StepMetrics()
         self.counters = TransferCounters(
@@ -91,11 +110,9 @@ class DagWorker:
         if spec.data_plane.node_buffer and spec.cluster.procs_per_node > 1:
             node_buffer = NodeBuffer(f"{env.job_name}-{env.master_port}", env.node_rank)
         self.coordinator = DataCoordinator(spec, self.plan, self.rank, self.counters, node_buffer)
+        self._received_before = 0
         self.is_logger = env.rank == 0
         self.writer = JsonlWriter(spec.trainer.log_dir) if self.is_logger else None
-        self.exporter = None
-        if env.local_rank == 0:
-            self.exporter = NodeExporter(env.job_name, env.node_rank, env.metrics_port)
 
     def _build_models(self) -> None:
         spec, env = self.spec, self.env
@@ -110,10 +127,21 @@ class DagWorker:
         self.actor = Actor.build(spec, self.actor_model, self.tokenizer.pad_token_id,
                                  env.world_size, self.device)
         self.ref_model = None
-        if spec.algorithm.use_kl_loss:
+        if any(n.role == "reference" for n in self.plan.chain):
             ref = load_causal_lm(env.model_dir, spec.model.dtype).to(self.device).eval()
             ref.requires_grad_(False)
             self.ref_model = fsdp.apply_fsdp(ref, mesh)
+        self._build_critic(mesh)
+
+    def _build_critic(self, mesh) -> None:
+        """The value model (when the workflow has critic or values nodes) and the in-reward KL coefficient."""
+        self.kl_ctrl = build_kl_controller(self.spec.algorithm.kl_ctrl)
+        self.critic = None
+        if any(n.role in ("critic", "values") for n in self.plan.chain):
+            path = self.spec.critic.path
+            model_dir = self.env.model_dir if path is None else str(resolve_model(path, model_cache_dir()))
+            self.critic = build_critic(self.spec, model_dir, self.tokenizer.pad_token_id, mesh,
+                                       self.env.world_size, self.device)
 
     def _build_data(self) -> None:
         spec = self.spec
@@ -164,7 +192,9 @@ class DagWorker:
         batch = self.coordinator.batch
         self.metrics.add_sum("perf/total_num_tokens", float(batch.num_tokens))
         self.metrics.add_max("data/balance_imbalance", self.coordinator.last_imbalance)
-        step_sent = {e: v - sent_before.get(e, 0) for e, v in self.counters.bytes_sent.items()}
+        # Keyed by exchanges, which every rank records, not by sends: a rank that sent nothing on an
+        # edge must still add its metric, or the ranks' metric vectors differ in the all-reduce.
+        step_sent = {e: self.counters.bytes_sent.get(e, 0) - sent_before.get(e, 0) for e in self.counters.exchanges}
         for edge, value in step_sent.items():
             self.metrics.add_sum(f"data/bytes_sent/{edge}", value)
         self.metrics.add_sum("data/cache_hits", sum(self.counters.cache_hits.values()) - hits_before)
@@ -180,9 +210,8 @@ class DagWorker:
     def _busiest_bytes(self, mine_sent: float) -> dict[str, float]:
         """Bytes through each rank this step (sent + received) -> the busiest and the mean."""
         received = sum(self.counters.bytes_received.values())
-        prev = getattr(self, "_received_total", 0)
-        self._received_total = received
-        local = torch.tensor([[mine_sent + received - prev]], dtype=torch.float64)
+        local = torch.tensor([[mine_sent + received - self._received_before]], dtype=torch.float64)
+        self._received_before = received
         gathered = [torch.zeros_like(local) for _ in range(self.env.world_size)]
         dist.all_gather(gathered, local)
         per_rank = torch.cat(gathered).flatten()
@@ -201,6 +230,8 @@ class DagWorker:
         history = []
         if spec.checkpoint.dir and self.env.resume and spec.checkpoint.resume == "auto":
             self.step = checkpoint.load_latest(spec.checkpoint.dir, self)
+            if self.step and self.exporter is not None:
+                self.exporter.observe_checkpoint(self.step)
         if self.step == 0 and spec.data.eval is not None:
             self._log({"training/step": 0, "eval/score": self.evaluate()})
         fail_at = int(os.environ.get("DISTFLOW_INJECT_FAILURE_AT_STEP", "0"))
@@ -222,6 +253,8 @@ class DagWorker:
             if spec.checkpoint.dir and (self.step == spec.trainer.total_steps or
                                         (save_every and self.step % save_every == 0)):
                 checkpoint.save(spec.checkpoint.dir, self.step, self, spec.checkpoint.keep_last)
+                if self.exporter is not None:
+                    self.exporter.observe_checkpoint(self.step)
         return history
 
     def _log(self, record: dict) -> None:

@@ -31,6 +31,7 @@ from distflow.algorithms.aggregation import (
     masked_var,
     masked_whiten,
 )
+from distflow.algorithms.dynamic_sampling import groups_with_signal, plan_group_selection
 from distflow.algorithms.kl import (
     KL_ESTIMATORS,
     AdaptiveKLController,
@@ -47,6 +48,7 @@ from distflow.algorithms.policy_loss import (
     PolicyLossParams,
     get_policy_loss_fn,
 )
+from distflow.algorithms.reward_shaping import overlong_penalty
 from distflow.algorithms.value_loss import clipped_value_loss, explained_variance
 
 __all__ = [
@@ -73,10 +75,13 @@ __all__ = [
     "get_advantage_fn",
     "get_kl_estimator",
     "get_policy_loss_fn",
+    "groups_with_signal",
     "log_probs_from_logits",
     "masked_mean",
     "masked_moments",
     "masked_sum",
     "masked_var",
     "masked_whiten",
+    "overlong_penalty",
+    "plan_group_selection",
 ]

@@ -1,0 +1,230 @@
+"""End to end: GRPO step throughput of distflow against TRL's ``GRPOTrainer``.
+
+Both train SmolLM2-135M-Instruct (the same converted local directory, fp32)
+on the same GSM8K train prompts in file order (no shuffle, so step k sees
+the same prompts in both), with the same group size, prompts per step,
+response length, sampling (temperature 1, top-p 1, no top-k), learning rate,
+one optimizer step per batch, no KL term / reference model, no gradient
+checkpointing, and the same CPU threads in total:
+
+- distflow: ``distflow run`` with 2 local workers x 1 thread (gloo, FSDP2);
+- TRL: one process x 2 threads (its documented single-process CPU setup).
+
+Each is started in its own process; runs alternate (distflow, TRL, TRL,
+distflow, ...). Throughput is verl's numerator, prompt + response tokens of
+the step, over the step's wall time, per machine: both use the whole 2-core
+machine, so dividing by "accelerators" would only count distflow's worker
+processes against it. The first step of every run (warm-up: lazy
+initialisation, allocator growth) is dropped; the rest are pooled per
+framework and the median step is reported.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from tests.bench._common import REPO_ROOT, median
+from tests.bench.balancer import gsm8k_dir
+
+
+@dataclass(frozen=True)
+class Settings:
+    prompts_per_step: int = 4
+    group_size: int = 4
+    max_response_length: int = 64
+    max_prompt_length: int = 512
+    micro_batch_size: int = 8
+    steps: int = 4
+    threads: int = 2
+    workers: int = 2
+    lr: float = 1e-6
+    seed: int = 0
+
+
+def _python() -> str:
+    return sys.executable
+
+
+def _env() -> dict:
+    paths = [str(REPO_ROOT / "worker_image"), str(REPO_ROOT / "operator"), str(REPO_ROOT)]
+    old = os.environ.get("PYTHONPATH")
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(paths + ([old] if old else [])),
+            "TOKENIZERS_PARALLELISM": "false"}
+
+
+def distflow_spec(s: Settings, log_dir: str) -> dict:
+    """The local run config (a JobSpec mapping) of the distflow side."""
+    return {
+        "model": {"path": "smollm2", "dtype": "float32", "mixedPrecision": "none"},
+        "data": {"train": {"path": str(gsm8k_dir() / "train.jsonl")}, "trainBatchSize": s.prompts_per_step,
+                 "maxPromptLength": s.max_prompt_length, "maxResponseLength": s.max_response_length,
+                 "shuffle": False, "rewardFn": "gsm8k"},
+        "rollout": {"n": s.group_size, "temperature": 1.0, "topP": 1.0, "topK": 0,
+                    "microBatchSize": s.prompts_per_step * s.group_size},
+        "algorithm": {"advantageEstimator": "grpo", "useKlLoss": False, "lossAggMode": "token-mean"},
+        "actor": {"lr": s.lr, "microBatchSize": s.micro_batch_size},
+        "cluster": {"numNodes": s.workers, "procsPerNode": 1, "device": "cpu"},
+        "trainer": {"totalSteps": s.steps, "seed": s.seed, "logDir": log_dir,
+                    "numThreads": max(1, s.threads // s.workers)},
+    }
+
+
+def run_distflow(s: Settings, workdir: Path, tag: str, timeout_s: float) -> dict:
+    """One ``distflow run``; per-step wall seconds and tokens from its metrics.jsonl."""
+    import yaml
+
+    log_dir = workdir / f"distflow-{tag}"
+    config = workdir / f"distflow-{tag}.yaml"
+    config.write_text(yaml.safe_dump(distflow_spec(s, str(log_dir))))
+    start = time.perf_counter()
+    proc = subprocess.run([_python(), "-m", "distflow.cli", "run", str(config), "--no-resume"],
+                          env={**_env(), "DISTFLOW_JOB_NAME": f"bench-{tag}"}, cwd=workdir,
+                          capture_output=True, text=True, timeout=timeout_s)
+    if proc.returncode != 0:
+        raise RuntimeError(f"distflow run failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
+    records = [json.loads(x) for x in (log_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    steps = [r for r in records if "timing_s/step" in r]
+    return {"step_seconds": [r["timing_s/step"] for r in steps],
+            "step_tokens": [r["perf/total_num_tokens"] for r in steps],
+            "response_length": [r.get("response_length/mean", 0.0) for r in steps],
+            "wall_seconds": time.perf_counter() - start}
+
+
+def run_trl(s: Settings, workdir: Path, tag: str, timeout_s: float) -> dict:
+    out = workdir / f"trl-{tag}.json"
+    start = time.perf_counter()
+    proc = subprocess.run([_python(), "-m", "tests.bench.e2e_trl", "--trl-child", str(out),
+                           "--settings", json.dumps(asdict(s))],
+                          env=_env(), cwd=workdir, capture_output=True, text=True, timeout=timeout_s)
+    if proc.returncode != 0:
+        raise RuntimeError(f"TRL run failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
+    return {**json.loads(out.read_text()), "wall_seconds": time.perf_counter() - start}
+
+
+def trl_child(s: Settings, out_path: str) -> None:
+    """Runs in its own process: TRL GRPO for ``s.steps`` optimizer steps, timed by a callback."""
+    import torch
+    from datasets import Dataset
+    from transformers import TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from distflow.data.sources import open_source
+    from distflow.models import load_causal_lm, load_tokenizer, resolve_model
+    from distflow.rewards import gsm8k_reward
+    from distflow.worker import model_cache_dir
+
+    torch.set_num_threads(s.threads)
+    torch.manual_seed(s.seed)
+    model_dir = resolve_model("smollm2", model_cache_dir())
+    count = s.prompts_per_step * (s.steps + 1)
+    records = open_source(str(gsm8k_dir() / "train.jsonl"), size=count).read(range(count))
+    dataset = Dataset.from_list([{"prompt": list(r.messages), "ground_truth": r.ground_truth}
+                                 for r in records])
+
+    def reward(completions, ground_truth, **_):
+        return [gsm8k_reward(c[-1]["content"], g) for c, g in zip(completions, ground_truth)]
+
+    samples = s.prompts_per_step * s.group_size
+    accumulation = max(1, samples // s.micro_batch_size)
+    config = GRPOConfig(
+        output_dir=str(Path(out_path).parent / "trl-out"), max_steps=s.steps, learning_rate=s.lr,
+        per_device_train_batch_size=min(s.micro_batch_size, samples), gradient_accumulation_steps=accumulation,
+        num_generations=s.group_size, max_completion_length=s.max_response_length,
+        temperature=1.0, top_p=1.0, top_k=0, beta=0.0, num_iterations=1, loss_type="dapo",
+        gradient_checkpointing=False, use_cpu=True, bf16=False, logging_steps=1, save_strategy="no",
+        report_to="none", shuffle_dataset=False, seed=s.seed, disable_tqdm=True,
+        dataloader_num_workers=0)
+    tokenizer = load_tokenizer(model_dir)
+    tokenizer.padding_side = "left"
+    timer = type("StepTimer", (StepTimes, TrainerCallback), {})()  # TrainerCallback: no-op other hooks
+    trainer = GRPOTrainer(model=load_causal_lm(model_dir, "float32"), reward_funcs=reward, args=config,
+                          train_dataset=dataset, processing_class=tokenizer, callbacks=[timer])
+    timer.start = time.perf_counter()
+    trainer.train()
+    Path(out_path).write_text(json.dumps(timer.result()))
+
+
+class StepTimes:
+    """Wall time between optimizer steps and TRL's cumulative token counter per step."""
+
+    def __init__(self) -> None:
+        self.start = 0.0
+        self.ends: list[float] = []
+        self.tokens: list[float] = []
+        self.lengths: list[float] = []
+
+    def on_step_end(self, args, state, control, **_):
+        self.ends.append(time.perf_counter())
+
+    def on_log(self, args, state, control, logs=None, **_):
+        if logs and "num_tokens" in logs:
+            self.tokens.append(float(logs["num_tokens"]))
+            self.lengths.append(float(logs.get("completions/mean_length", 0.0)))
+
+    def result(self) -> dict:
+        marks = [self.start] + self.ends
+        seconds = [b - a for a, b in zip(marks, marks[1:])]
+        cumulative = [0.0] + self.tokens
+        return {"step_seconds": seconds, "step_tokens": [b - a for a, b in zip(cumulative, cumulative[1:])],
+                "response_length": self.lengths}
+
+
+def run(settings: Settings = Settings(), rounds: int = 2, timeout_s: float = 900.0) -> dict:
+    """Alternate distflow and TRL ``rounds`` times each; pooled per-step medians."""
+    runs = {"distflow": [], "trl": []}
+    order = ("distflow", "trl")
+    with tempfile.TemporaryDirectory(prefix="distflow-bench-e2e-") as tmp:
+        workdir = Path(tmp)
+        for k in range(rounds):
+            for name in order if k % 2 == 0 else order[::-1]:
+                fn = run_distflow if name == "distflow" else run_trl
+                runs[name].append(fn(settings, workdir, f"{name}{k}", timeout_s))
+    summary = {}
+    for name, items in runs.items():
+        seconds = [x for r in items for x in r["step_seconds"][1:]]
+        tokens = [x for r in items for x in r["step_tokens"][1:]]
+        rates = [t / sec for t, sec in zip(tokens, seconds)]
+        summary[name] = {"median_step_seconds": median(seconds), "median_step_tokens": median(tokens),
+                         "median_tokens_per_s": median(rates),
+                         "mean_response_length": median([x for r in items for x in r["response_length"][1:]]),
+                         "steps_measured": len(seconds),
+                         "run_wall_seconds": [r["wall_seconds"] for r in items]}
+    speedup = summary["distflow"]["median_tokens_per_s"] / summary["trl"]["median_tokens_per_s"]
+    return {"settings": asdict(settings), "rounds": rounds, "runs": runs, "summary": summary,
+            "speedup": speedup, "trl_version": _version("trl")}
+
+
+def _version(package: str) -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(package)
+    except PackageNotFoundError:
+        return "not installed"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--trl-child", metavar="OUT_JSON", help=argparse.SUPPRESS)
+    parser.add_argument("--settings", default="{}", help="JSON overrides of Settings fields")
+    parser.add_argument("--rounds", type=int, default=2)
+    args = parser.parse_args()
+    settings = Settings(**json.loads(args.settings))
+    if args.trl_child:
+        trl_child(settings, args.trl_child)
+        return
+    out = run(settings, args.rounds)
+    print(json.dumps(out["summary"], indent=1))
+    print(f"distflow / TRL throughput: {out['speedup']:.2f}x")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,181 @@
+"""e2e: `kubectl apply` an RLPostTrainJob; the pods the operator creates run as local processes and train.
+
+The control plane is real (kube-apiserver, etcd, scheduler, kwok fake GPU nodes),
+with kwok told to leave pod phases alone: `LocalKubelet` reads each bound pod
+back from the API server, starts its container command with the pod's env and
+ConfigMap volume as a local process, and reports Running/Ready/exit into the pod
+status. The operator runs in-process with least-privilege credentials and scrapes
+node 0's metrics through the pod IP, as in a cluster.
+"""
+
+from __future__ import annotations
+
+import json
+import textwrap
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from distflow_operator import CRD_NAME
+from distflow_operator.rbac import KOPF_DISCOVERY_RULES, OPERATOR_RULES
+from tests.controlplane.cluster import ControlPlane
+from tests.e2e.kubelet import LocalKubelet
+from tests.operator._helpers import (
+    CRD_FILE, DISCOVERY_ROLE, OPERATOR_ROLE, Api, dump, operator_kubeconfig, operator_running, wait_for,
+)
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(480)]
+
+# Block YAML only (str.format fills it); "n" quoted: kubectl reads a bare n as false.
+JOB_YAML = textwrap.dedent("""\
+    apiVersion: distflow.io/v1alpha1
+    kind: RLPostTrainJob
+    metadata:
+      name: {name}
+    spec:
+      model:
+        path: tiny
+      data:
+        train:
+          path: arithmetic
+          size: 64
+        trainBatchSize: 2
+        maxPromptLength: 48
+        maxResponseLength: 4
+      rollout:
+        "n": 2
+      actor:
+        microBatchSize: 4
+      cluster:
+        numNodes: 2
+        procsPerNode: 1
+        acceleratorsPerNode: 1
+        device: cpu
+      trainer:
+        totalSteps: {total_steps}
+        logDir: {log_dir}
+        numThreads: 1
+      checkpoint:
+        dir: {checkpoint_dir}
+        saveEverySteps: 1
+      runPolicy:
+        maxRestarts: 1
+        backoffSeconds: 0
+      template:
+        image: distflow/worker:0.1.0
+    """)
+JOB_TIMEOUT_S = 360.0
+"""Per job, generous: each node imports torch twice (node + worker process) on a shared 2-core host."""
+
+
+@pytest.fixture(scope="module")
+def cluster(control_plane_bin_dir: Path) -> Iterator[ControlPlane]:
+    """A control plane of its own whose kwok leaves pod phases to the local kubelet,
+    with the CRD and the operator's ClusterRoles installed."""
+    with ControlPlane(control_plane_bin_dir, nodes=2, pods_become_running=False) as cp:
+        assert cp.kubectl("apply", "-f", str(CRD_FILE)).returncode == 0
+        wait_for(lambda: cp.kubectl("wait", "--for=condition=Established", "--timeout=20s",
+                                    f"crd/{CRD_NAME}").returncode == 0, 60, what="CRD Established")
+        for name, rules in ((OPERATOR_ROLE, OPERATOR_RULES), (DISCOVERY_ROLE, KOPF_DISCOVERY_RULES)):
+            cp.request("POST", "/apis/rbac.authorization.k8s.io/v1/clusterroles",
+                       {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRole",
+                        "metadata": {"name": name}, "rules": rules}, expect=(201, 409))
+        wait_for(lambda: cp.kubectl("get", "rljob", "-A").returncode == 0, 60, what="rljob served")
+        yield cp
+
+
+@pytest.fixture
+def namespace(cluster: ControlPlane, request: pytest.FixtureRequest) -> str:
+    name = f"e2e-{request.node.name[5:25].replace('_', '-').strip('-')}-{time.monotonic_ns() % 10**6}"
+    cluster.request("POST", "/api/v1/namespaces",
+                    {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": name}}, expect=(201,))
+    wait_for(lambda: cluster.request("GET", f"/api/v1/namespaces/{name}/serviceaccounts/default")[0] == 200,
+             30, what=f"namespace {name} default ServiceAccount")
+    yield name
+    cluster.request("DELETE", f"/api/v1/namespaces/{name}")
+
+
+def _apply(cluster: ControlPlane, namespace: str, tmp_path: Path, name: str, total_steps: int) -> dict[str, Path]:
+    dirs = {"logs": tmp_path / "logs", "checkpoints": tmp_path / "checkpoints"}
+    manifest = JOB_YAML.format(name=name, total_steps=total_steps, log_dir=dirs["logs"],
+                               checkpoint_dir=dirs["checkpoints"])
+    out = cluster.kubectl("apply", "-n", namespace, "-f", "-", input=manifest)
+    assert out.returncode == 0, out.stderr
+    return dirs
+
+
+def _wait_finished(api: Api, name: str, kubelet: LocalKubelet, timeout_s: float = JOB_TIMEOUT_S) -> dict[str, Any]:
+    """The job's status once Succeeded; fails early (with the node logs) on Failed or a dead kubelet."""
+    def finished():
+        if kubelet.error is not None:
+            raise AssertionError(f"local kubelet failed: {kubelet.error!r}")
+        try:
+            status = api.status(name)
+        except OSError:  # a call timed out on the loaded host: ask again
+            return None
+        return status if status.get("phase") in ("Succeeded", "Failed") else None
+
+    try:
+        status = wait_for(finished, timeout_s, interval_s=0.5, what=f"{name} finished")
+    except TimeoutError as err:
+        raise AssertionError(f"{err}; status {dump(api.status(name))}\n{kubelet.log_tails()}") from None
+    assert status["phase"] == "Succeeded", f"{dump(status)}\n{kubelet.log_tails()}"
+    return status
+
+
+def _steps(log_dir: Path) -> list[int]:
+    lines = (log_dir / "metrics.jsonl").read_text().splitlines()
+    return [int(record["training/step"]) for record in map(json.loads, lines) if "training/step" in record]
+
+
+def _exits(kubelet: LocalKubelet) -> list[tuple[str, str, int]]:
+    return sorted((e.attempt, e.pod, e.exit_code) for e in kubelet.exits)
+
+
+def test_job_pods_run_as_local_processes_train_and_the_job_succeeds(cluster, namespace, tmp_path):
+    name, total = "e2e-grpo", 2
+    api = Api(cluster, namespace)
+    kubeconfig = operator_kubeconfig(cluster, namespace, tmp_path)
+    with (operator_running(kubeconfig, namespace, PROGRESS_INTERVAL="0.3"),
+          LocalKubelet(cluster, namespace, tmp_path / "kubelet") as kubelet):
+        dirs = _apply(cluster, namespace, tmp_path, name, total)
+        status = _wait_finished(api, name, kubelet)
+
+    assert (status["attempt"], status["restarts"]) == (1, 0), dump(status)
+    assert status["progress"]["step"] == status["progress"]["totalSteps"] == total, dump(status)
+    assert status["progress"]["lastCheckpointStep"] == total
+    assert status["progress"]["tokensPerSecond"] > 0
+    assert {c["type"]: c["status"] for c in status["conditions"]}["Succeeded"] == "True"
+    assert _steps(dirs["logs"]) == list(range(1, total + 1))
+    assert _exits(kubelet) == [("1", f"{name}-node-0", 0), ("1", f"{name}-node-1", 0)]
+    pods = api.pods(name)
+    assert [p["status"]["phase"] for p in pods] == ["Succeeded", "Succeeded"]
+    assert [p["status"]["containerStatuses"][0]["state"]["terminated"]["exitCode"] for p in pods] == [0, 0]
+    assert len({p["status"]["podIP"] for p in pods}) == 2
+
+
+def test_a_crashed_node_restarts_the_gang_which_resumes_from_the_checkpoint(cluster, namespace, tmp_path):
+    name, total = "e2e-restart", 3
+    api = Api(cluster, namespace)
+    kubeconfig = operator_kubeconfig(cluster, namespace, tmp_path)
+    with (operator_running(kubeconfig, namespace, PROGRESS_INTERVAL="0.3"),
+          LocalKubelet(cluster, namespace, tmp_path / "kubelet") as kubelet):
+        dirs = _apply(cluster, namespace, tmp_path, name, total)
+        first = dirs["checkpoints"] / "step_00000001" / "trainer.json"
+        wait_for(first.is_file, JOB_TIMEOUT_S, what=f"checkpoint of step 1 ({kubelet.log_tails()})")
+        kubelet.kill(f"{name}-node-1")  # SIGKILL, as the OOM killer or a lost node would
+        status = _wait_finished(api, name, kubelet)
+
+    assert (status["attempt"], status["restarts"]) == (2, 1), dump(status)
+    assert status["progress"]["step"] == total, dump(status)
+    exits = _exits(kubelet)
+    assert ("1", f"{name}-node-1", 137) in exits, exits
+    assert [e for e in exits if e[0] == "2"] == [("2", f"{name}-node-0", 0), ("2", f"{name}-node-1", 0)]
+    restarts = [e for e in api.events(name) if e["reason"] == "NodeFailed"]
+    assert restarts and "exit code 137" in restarts[0]["message"], dump(api.events(name))
+    steps = _steps(dirs["logs"])
+    # Attempt 2 continued from a checkpoint: step 1 was trained once, every step up to the total was reached.
+    assert steps.count(1) == 1 and set(steps) == set(range(1, total + 1)) and steps[-1] == total, steps
