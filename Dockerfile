@@ -6,6 +6,7 @@ WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY worker_image/distflow worker_image/distflow
 COPY operator/distflow_operator operator/distflow_operator
+# hadolint ignore=DL3013
 RUN pip install --no-cache-dir --prefix=/install ".[operator]"
 
 FROM python:3.12-slim

@@ -154,11 +154,14 @@ def _conditions(job: JobView, phase: str, reason: str, message: str, ready: int,
     return out
 
 
-def _progress(job: JobView, scraped: Mapping[str, Any] | None) -> dict[str, Any] | None:
+def _progress(job: JobView, scraped: Mapping[str, Any] | None, phase: str) -> dict[str, Any] | None:
     merged = dict(job.status.get("progress") or {})
     merged.update({k: v for k, v in (scraped or {}).items() if v is not None})
     if job.spec is not None:
         merged["totalSteps"] = job.spec.trainer.total_steps
+        if phase == "Succeeded":
+            # Nodes exit 0 only after the last step; node 0 may exit before a scrape sees it.
+            merged["step"] = job.spec.trainer.total_steps
     return Progress.model_validate(merged).model_dump(exclude_none=True) if merged else None
 
 
@@ -186,7 +189,7 @@ def compute_status(job: JobView, pods: Sequence[PodView], decision: Decision, no
         start_time=format_time(state.start_time) if state.start_time else None,
         completion_time=format_time(state.completion_time) if state.completion_time else None,
         last_restart_time=format_time(state.last_restart_time) if state.last_restart_time else None,
-        progress=_progress(job, scraped),
+        progress=_progress(job, scraped, phase),
         conditions=_conditions(job, phase, reason, message, ready, desired, now),
     )
     return status.model_dump(exclude_none=True)

@@ -13,7 +13,7 @@ For dp in 2..64 and 4 / 16 / 64 samples per rank (equal counts, as the
 runtime balances), each partitioner's max rank load is divided by the mean
 load and by the bound max(mean load, longest item); the runtime's stronger
 ``lower_bound`` (pigeonhole and equal-count terms) is reported too.
-``prototype`` is the bench-local faster balancer of ``balance_prototype``,
+``prototype`` is the bench-local faster balancer of ``plan_prototype``,
 not runtime code. Planning time is measured for 4,096 samples over 64 ranks
 (every partitioner, and the coordinator's whole plan) and, for the scaling
 model, the coordinator's plan at 16 samples per rank from 32 to 1,024 ranks.
@@ -76,7 +76,7 @@ def draw(dataset: str, pool: list[int], count: int, seed: int) -> list[float]:
 def partitioners() -> dict:
     from distflow.data.balance import balance_partition, contiguous_partition, karmarkar_karp_partition
 
-    from tests.bench.balance_prototype import fast_balance_partition
+    from tests.bench.plan_prototype import fast_balance_partition
 
     return {
         "lpt": balance_partition,
@@ -129,31 +129,48 @@ def planning_times(num_samples: int = 4096, num_ranks: int = 64, repeats: int = 
 
 
 def _coordinator_plans() -> dict:
-    """name -> f(costs, k, per_rank): what the coordinator computes on every rank for one edge."""
+    """name -> f(costs, k, per_rank): what every rank computes for one balanced edge before
+    moving data: the target layout, the plan, and the byte sizes of its all_to_all."""
+    from distflow.data import exchange
     from distflow.data.redistribute import balanced_assignment, plan_redistribution
 
-    from tests.bench.balance_prototype import sparse_balanced_assignment
+    from tests.bench.funnel import BYTES_PER_TOKEN, make_batch
+    from tests.bench.plan_prototype import rank_wire_plan, sparse_balanced_assignment
 
-    def holdings(k, per):
-        return [list(range(r * per, (r + 1) * per)) for r in range(k)]
+    schema = make_batch([1], 0).field_schema()
+
+    def bookkeeping(held, target, costs):
+        plan = plan_redistribution(held, target)
+        lengths = [[int(costs[g]) for g in ids] for ids in held]
+        exchange._size_matrix(plan, schema, lengths)
+        exchange._shm_routes(len(held), None)
 
     def runtime(costs, k, per):
-        held = holdings(k, per)
-        return plan_redistribution(held, balanced_assignment(held, costs))
+        held = _holdings(k, per)
+        bookkeeping(held, balanced_assignment(held, costs), costs)
 
     def prototype(costs, k, per):
-        held = holdings(k, per)
-        return plan_redistribution(held, sparse_balanced_assignment(held, costs))
+        held = _holdings(k, per)
+        bookkeeping(held, sparse_balanced_assignment(held, costs), costs)
 
-    return {"runtime": runtime, "prototype": prototype}
+    def prototype_rank_plan(costs, k, per):
+        held = _holdings(k, per)
+        rank_wire_plan(held, sparse_balanced_assignment(held, costs), [int(c) for c in costs], 0,
+                       BYTES_PER_TOKEN, 28)
+
+    return {"runtime": runtime, "prototype": prototype, "prototype_rank_plan": prototype_rank_plan}
+
+
+def _holdings(k: int, per: int) -> list[list[int]]:
+    return [list(range(r * per, (r + 1) * per)) for r in range(k)]
 
 
 def plan_scaling(per_rank: int = 16, rank_counts=(32, 64, 128, 256, 512, 1024),
                  runtime_max_ranks: int = 512) -> list[dict]:
-    """Coordinator plan seconds vs ranks on long-tailed lengths (weak scaling: 16 per rank).
+    """Per-edge planning seconds vs ranks on long-tailed lengths (weak scaling: 16 per rank).
 
-    The runtime's plan is measured up to ``runtime_max_ranks`` (beyond, it
-    takes minutes); one run each from 256 ranks up, the median of 3 below.
+    The runtime's planning is measured up to ``runtime_max_ranks`` (beyond,
+    it takes minutes); one run each from 256 ranks up, the median of 3 below.
     """
     rows = []
     for k in rank_counts:

@@ -39,10 +39,10 @@ from tests.bench.balancer import gsm8k_dir
 class Settings:
     prompts_per_step: int = 4
     group_size: int = 4
-    max_response_length: int = 64
+    max_response_length: int = 48
     max_prompt_length: int = 512
     micro_batch_size: int = 8
-    steps: int = 4
+    steps: int = 3
     threads: int = 2
     workers: int = 2
     lr: float = 1e-6
@@ -92,8 +92,10 @@ def run_distflow(s: Settings, workdir: Path, tag: str, timeout_s: float) -> dict
         raise RuntimeError(f"distflow run failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
     records = [json.loads(x) for x in (log_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
     steps = [r for r in records if "timing_s/step" in r]
+    stages = sorted({k for r in steps for k in r if k.startswith("timing_s/") and k != "timing_s/step"})
     return {"step_seconds": [r["timing_s/step"] for r in steps],
             "step_tokens": [r["perf/total_num_tokens"] for r in steps],
+            "stage_seconds": {k.removeprefix("timing_s/"): [r.get(k, 0.0) for r in steps] for k in stages},
             "response_length": [r.get("response_length/mean", 0.0) for r in steps],
             "wall_seconds": time.perf_counter() - start}
 
@@ -140,6 +142,7 @@ def trl_child(s: Settings, out_path: str) -> None:
         num_generations=s.group_size, max_completion_length=s.max_response_length,
         temperature=1.0, top_p=1.0, top_k=0, beta=0.0, num_iterations=1, loss_type="dapo",
         gradient_checkpointing=False, use_cpu=True, bf16=False, logging_steps=1, save_strategy="no",
+        lr_scheduler_type="constant", warmup_steps=0,
         report_to="none", shuffle_dataset=False, seed=s.seed, disable_tqdm=True,
         dataloader_num_workers=0)
     tokenizer = load_tokenizer(model_dir)
@@ -192,7 +195,10 @@ def run(settings: Settings = Settings(), rounds: int = 2, timeout_s: float = 900
         seconds = [x for r in items for x in r["step_seconds"][1:]]
         tokens = [x for r in items for x in r["step_tokens"][1:]]
         rates = [t / sec for t, sec in zip(tokens, seconds)]
+        stages = {k: median([x for r in items for x in r.get("stage_seconds", {}).get(k, [])[1:]])
+                  for k in items[0].get("stage_seconds", {})}
         summary[name] = {"median_step_seconds": median(seconds), "median_step_tokens": median(tokens),
+                         "median_stage_seconds": stages,
                          "median_tokens_per_s": median(rates),
                          "mean_response_length": median([x for r in items for x in r["response_length"][1:]]),
                          "steps_measured": len(seconds),

@@ -196,6 +196,8 @@ def _measure_length(nominal: int, samples_per_rank: int, repeats: int) -> dict:
     busiest = torch.stack(gathered).max(dim=0).values.tolist()
     plan_s = _time_planning(batch)
     latency_s = _allgather_latency()
+    messages = count_messages(batch)
+    phases = exchange_phases(batch, ctx)
     return {
         "nominal_tokens": nominal, "samples_per_rank": samples_per_rank,
         "total_bytes": sum(inbound), "moved_samples": plan.num_moved_samples(),
@@ -206,6 +208,8 @@ def _measure_length(nominal: int, samples_per_rank: int, repeats: int) -> dict:
         "identical_results": bool(identical.item()),
         "planning_seconds": plan_s,
         "allgather_seconds": latency_s,
+        "messages_rank0": messages,
+        "exchange_phases_rank0": phases,
     }
 
 
@@ -220,6 +224,99 @@ def _time_planning(batch, repeats: int = 5) -> float:
         _plan_edge(batch)
         times.append(max_over_ranks(time.perf_counter() - start))
     return median(times)
+
+
+_COUNTED = ("all_gather", "all_gather_object", "all_to_all_single", "all_reduce", "broadcast",
+            "send", "recv", "isend", "irecv")
+
+
+def count_messages(batch) -> dict[str, dict[str, int]]:
+    """torch.distributed calls made by one distflow edge and one centralized edge on this rank.
+
+    Wraps the module's functions for the duration (exchange looks them up at
+    call time), so the counts are what the product really issues.
+    """
+    import torch.distributed as dist
+
+    counts: dict[str, int] = {}
+    originals = {name: getattr(dist, name) for name in _COUNTED}
+
+    def counting(name, fn):
+        def wrapper(*args, **kwargs):
+            counts[name] = counts.get(name, 0) + 1
+            return fn(*args, **kwargs)
+        return wrapper
+
+    out = {}
+    try:
+        for name, fn in originals.items():
+            setattr(dist, name, counting(name, fn))
+        for variant in ("distflow", "centralized"):
+            counts.clear()
+            _run_variant(variant, batch, {})
+            counts.pop("all_reduce", None)  # _run_variant's own timing reduction is not the product's
+            out[variant] = dict(counts)
+    finally:
+        for name, fn in originals.items():
+            setattr(dist, name, fn)
+    return out
+
+
+_PHASES = {"_gather_metadata": "metadata all-gathers", "_pack_into": "pack", "all_to_all_single": "all_to_all",
+           "_assemble": "assemble", "_size_matrix": "size matrix"}
+
+
+def exchange_phases(batch, ctx, repeats: int = 5) -> dict[str, float]:
+    """Where one ``exchange`` call spends its time on this rank: median seconds per phase
+    (wrapped exchange internals; the rest is Python bookkeeping)."""
+    import torch.distributed as dist
+
+    from distflow.data import exchange as xchg
+
+    spent: dict[str, float] = {}
+    targets = [(xchg, name) for name in _PHASES if name != "all_to_all_single"] + [(dist, "all_to_all_single")]
+    originals = {(mod, name): getattr(mod, name) for mod, name in targets}
+
+    def timed(name, fn):
+        def wrapper(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                spent[name] = spent.get(name, 0.0) + time.perf_counter() - start
+        return wrapper
+
+    runs = []
+    try:
+        for (mod, name), fn in originals.items():
+            setattr(mod, name, timed(_PHASES[name], fn))
+        for _ in range(repeats):
+            spent.clear()
+            dist.barrier()
+            start = time.perf_counter()
+            xchg.exchange(batch, ctx["plan"], all_lengths=ctx["lengths"])
+            runs.append({**spent, "total": time.perf_counter() - start})
+    finally:
+        for (mod, name), fn in originals.items():
+            setattr(mod, name, fn)
+    return {k: median([r.get(k, 0.0) for r in runs]) for k in runs[0]}
+
+
+def host_copy_throughput(num_samples: int = 64, nominal: int = 16384, repeats: int = 5) -> float:
+    """Bytes/s of ``PackedBatch.select`` over a shuffled order (the gather copy that packing
+    and assembly do), single thread, in this process."""
+    import random
+
+    torch.set_num_threads(1)
+    batch = make_batch(sample_lengths(0, num_samples, nominal), 0)
+    order = list(range(num_samples))
+    random.Random(0).shuffle(order)
+    times = []
+    for _ in range(repeats + 1):
+        start = time.perf_counter()
+        batch.select(order)
+        times.append(time.perf_counter() - start)
+    return batch.nbytes / median(times[1:])
 
 
 def _allgather_latency(repeats: int = 21) -> float:
@@ -265,7 +362,7 @@ def memory_worker(rank: int, world: int, nominal: int, samples_per_rank: int) ->
     return out
 
 
-def run(world_sizes=(2, 4, 8), nominals=(1024, 4096, 16384, 32768), samples_per_rank: int = 8,
+def run(world_sizes=(2, 4, 8), nominals=(1024, 4096, 16384, 32768), samples_per_rank: int = 16,
         repeats: int = 7, timeout_s: float = 900.0) -> dict:
     """The whole funnel benchmark: one spawn per world size, every length inside it."""
     from tests.dist._spawn import run_on_ranks
@@ -277,6 +374,7 @@ def run(world_sizes=(2, 4, 8), nominals=(1024, 4096, 16384, 32768), samples_per_
                             timeout_s=timeout_s)[0]
         results["rows"] += [{"world_size": world, **row} for row in rows]
     results["memory"] = run_memory(max(world_sizes), max(nominals), samples_per_rank, timeout_s)
+    results["host_copy_bytes_per_s"] = host_copy_throughput()
     return results
 
 
@@ -299,7 +397,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--world-sizes", default="2,4,8")
     parser.add_argument("--lengths", default="1024,4096,16384,32768")
-    parser.add_argument("--samples-per-rank", type=int, default=8)
+    parser.add_argument("--samples-per-rank", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=7)
     args = parser.parse_args()
     out = run(tuple(int(x) for x in args.world_sizes.split(",")),
@@ -315,6 +413,8 @@ def main() -> None:
               f"plan {row['planning_seconds'] * 1e3:.1f} ms ag {row['allgather_seconds'] * 1e3:.2f} ms "
               f"identical={row['identical_results']}")
     print(json.dumps(out["memory"], indent=1))
+    print("messages per edge (rank 0):", out["rows"][-1]["messages_rank0"])
+    print(f"host copy throughput: {out['host_copy_bytes_per_s'] / 1e9:.2f} GB/s")
 
 
 if __name__ == "__main__":

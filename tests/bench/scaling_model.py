@@ -10,15 +10,16 @@ grows with N. Data-plane costs come from measurements on this machine
     step(N) = rollout + log-prob passes + train x imbalance(N)
             + param sync(N) + weight sync + sum over routed edges of edge(N)
 
+    planning:           balancer + plan + size bookkeeping per balanced edge,
+                        on every rank (measured, interpolated in B_global)
     edge, distributed:  metadata all-gathers (latency x log2 N + bytes)
-                        + planning(B_global) on every rank (measured fit)
                         + host staging (PCIe both ways) + pack/assemble
                         copies on the device + moved bytes / per-GPU network
     edge, centralized:  host staging on every worker + every byte into one
                         controller and back out over its link, 2 host copies
                         per byte there (assemble + pack, as
                         ``exchange_centralized`` does, at the measured host
-                        rate), per-worker dispatch latency, planning once
+                        rate), per-worker dispatch latency
 
 Deliberately not modelled: rollout tail latency growing with N (the longest
 response per step is capped by max length, the same at every N), failures,
@@ -29,7 +30,7 @@ compute (none is assumed: a conservative choice for both planes).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Sequence
 
 
@@ -79,10 +80,6 @@ class Workload:
     """Mean response length (tokens)."""
     kl_reference: bool = True
     """GRPO with a KL loss runs a reference forward pass."""
-    routed_edges: int = 0
-    """Edges the planner routes through the controller in centralized mode (0: from algorithm)."""
-    redistributed_edges: int = 0
-    """Edges the planner redistributes in distributed mode (0: from algorithm)."""
 
     @property
     def tokens_per_sample(self) -> int:
@@ -127,15 +124,20 @@ class StepBreakdown:
         return self.tokens / (self.total * self.num_gpus)
 
 
-EDGES = {"grpo": (1, 3), "ppo": (4, 6)}
-"""algorithm -> (redistributed edges in distributed mode, edges routed when centralized),
-from ``distflow plan``: GRPO moves once (advantage -> actor), PPO four times;
-centralized mode routes every edge after rollout through rank 0."""
+EDGES = {"grpo": {"moved": 1, "routed": 3, "balanced": 1},
+         "ppo": {"moved": 3, "routed": 5, "balanced": 2}}
+"""Per step, from ``DataCoordinator.ensure`` on the built-in chains: *moved* =
+placement changes in distributed mode (GRPO: advantage -> actor; PPO: ->
+values, -> advantage (back to the rollout layout), -> critic; the actor then
+finds the batch in place); *routed* = edges centralized mode sends through
+rank 0 (every node after rollout); *balanced* = moves that run the balancer
+(the planning cost; the move back to the rollout layout needs none)."""
 
 
-def edge_counts(w: Workload) -> tuple[int, int]:
-    dist_edges, routed = EDGES[w.algorithm]
-    return (w.redistributed_edges or dist_edges, w.routed_edges or routed)
+def edge_counts(w: Workload) -> tuple[int, int, int]:
+    """(moved in distributed mode, routed in centralized mode, balanced) edges per step."""
+    e = EDGES[w.algorithm]
+    return e["moved"], e["routed"], e["balanced"]
 
 
 def interpolate_loglog(points: Sequence[tuple[float, float]], x: float) -> float:
@@ -201,7 +203,6 @@ def distributed_edge_seconds(w: Workload, hw: Hardware, m: Measured, n: int) -> 
         2 * math.log2(n) * hw.network_latency_s + 8 * global_samples / hw.network_bytes_per_s)
     return {
         "metadata": metadata,
-        "planning": interpolate_loglog(m.planning_points, global_samples),
         "staging": 2 * local / hw.pcie_bytes_per_s,
         "copies": 2 * moved / hw.device_copy_bytes_per_s,
         "wire": moved / hw.network_bytes_per_s,
@@ -222,8 +223,13 @@ def centralized_edge_seconds(w: Workload, hw: Hardware, m: Measured, n: int) -> 
         "wire": 2 * through / hw.controller_bytes_per_s,
         "copies": 2 * total / m.host_copy_bytes_per_s,
         "dispatch": 2 * (n - 1) * hw.controller_dispatch_s,
-        "planning": interpolate_loglog(m.planning_points, n * w.samples_per_gpu),
     }
+
+
+def planning_seconds(w: Workload, m: Measured, n: int) -> float:
+    """Balancing + planning of one balanced edge (every rank computes it; a controller
+    computes it once, on the same critical path)."""
+    return interpolate_loglog(m.planning_points, n * w.samples_per_gpu)
 
 
 def project(w: Workload, hw: Hardware, m: Measured, n: int, mode: str) -> StepBreakdown:
@@ -236,13 +242,15 @@ def project(w: Workload, hw: Hardware, m: Measured, n: int, mode: str) -> StepBr
         raise ValueError(f"mode {mode!r}: choose distributed or centralized")
     comp = compute_seconds(w, hw)
     imbalance = step_at_flat(m.imbalance_points, n)
-    dist_edges, routed = edge_counts(w)
+    moved, routed, balanced = edge_counts(w)
     if mode == "distributed":
         edge = distributed_edge_seconds(w, hw, m, n)
-        data = dist_edges * sum(edge.values())
+        count = moved
     else:
         edge = centralized_edge_seconds(w, hw, m, n)
-        data = routed * sum(edge.values())
+        count = routed
+    edge["planning"] = planning_seconds(w, m, n) * balanced / count
+    data = count * sum(edge.values())
     return StepBreakdown(
         num_gpus=n, compute=sum(comp.values()), imbalance_loss=comp["train"] * (imbalance - 1.0),
         param_sync=param_sync_seconds(w, hw, n), data_plane=data,
@@ -278,8 +286,3 @@ WORKLOADS = (
 """Qwen2.5-like sizes (params, layers); 16 samples per GPU per step (e.g. 512
 prompts x 16 responses on 512 GPUs), 1k-token prompts, mean responses of 2k
 (7B) and 4k tokens (32B, 72B)."""
-
-
-def with_planning(m: Measured, points: Sequence[tuple[int, float]]) -> Measured:
-    """The same measurements with another planner's timings (e.g. the prototype)."""
-    return replace(m, planning_points=tuple(points))

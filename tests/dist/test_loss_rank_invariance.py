@@ -22,7 +22,8 @@ pytestmark = [pytest.mark.dist, pytest.mark.timeout(1200)]
 PROMPT_LENS = [3, 9, 5, 4, 7, 3, 6, 8]
 RESPONSE_LENS = [7, 1, 4, 6, 2, 5, 3, 7]
 LAYOUTS = {1: [[0, 1, 2, 3, 4, 5, 6, 7]], 2: [[0, 5, 2, 7], [1, 3, 4, 6]], 4: [[3, 0], [6, 1], [4, 2], [5, 7]]}
-MICRO_BATCH_SIZES = {1: [8, 3, 1], 2: [3, 1], 4: [2, 1]}
+MICRO_BATCH_SIZES = {1: (8, 3), 2: (3, 1), 4: (2, 1)}
+"""1 rank: every config with both (8 is the reference); 2 and 4 ranks: configs alternate between the two."""
 ACTOR_CONFIGS = [("vanilla", mode) for mode in
                  ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")]
 ACTOR_CONFIGS.append(("gspo", "seq-mean-token-mean"))
@@ -130,12 +131,13 @@ def _critic_update(world, local, micro, mode):
 def _all_updates(rank, world):
     torch.set_num_threads(1)
     local = _batch().select(LAYOUTS[world][rank])
+    configs = [("actor", c) for c in ACTOR_CONFIGS] + [("critic", m) for m in CRITIC_MODES]
     out = {}
-    for micro in MICRO_BATCH_SIZES[world]:
-        for config in ACTOR_CONFIGS:
-            out[("actor", config, micro)] = _actor_update(world, local, micro, config)
-        for mode in CRITIC_MODES:
-            out[("critic", mode, micro)] = _critic_update(world, local, micro, mode)
+    for i, (role, config) in enumerate(configs):
+        sizes = MICRO_BATCH_SIZES[world]
+        for micro in sizes if world == 1 else sizes[i % 2:i % 2 + 1]:
+            update = _actor_update if role == "actor" else _critic_update
+            out[(role, config, micro)] = update(world, local, micro, config)
     # Parameters are the same full tensors on every rank; rank 0's are enough.
     return out if rank == 0 else None
 
@@ -146,7 +148,7 @@ def updates():
     from distflow.worker import model_cache_dir
 
     resolve_model("tiny", model_cache_dir())  # build once, before the ranks race for it
-    return {world: run_on_ranks(_all_updates, world, timeout_s=900)[0] for world in LAYOUTS}
+    return {world: run_on_ranks(_all_updates, world, timeout_s=1500)[0] for world in LAYOUTS}
 
 
 LOSS_METRICS = {"actor": ["actor/pg_loss", "actor/kl_loss", "actor/entropy", "actor/grad_norm", "actor/pg_clipfrac"],
@@ -159,7 +161,10 @@ def test_every_layout_and_micro_batch_size_takes_the_one_rank_step(updates, worl
         ref_delta, ref_metrics = updates[1][(role, config, 8)]
         where = f"{role} {config} on {world} ranks, micro-batch {micro}"
         for name, expected in ref_delta.items():
-            torch.testing.assert_close(delta[name], expected, rtol=2e-4, atol=1e-7, msg=lambda m: f"{where}, {name}: {m}")
+            # float32 sums in another order differ in the last bits; a wrong normaliser is off by >= 1/8
+            scale = float(expected.abs().max())
+            torch.testing.assert_close(delta[name], expected, rtol=1e-3, atol=1e-4 * scale,
+                                       msg=lambda m: f"{where}, {name}: {m}")
         for key in LOSS_METRICS[role]:
             assert metrics[key] == pytest.approx(ref_metrics[key], rel=1e-4, abs=1e-7), f"{where}: {key}"
 

@@ -52,8 +52,6 @@ ENTRYPOINTS = {"distflow": [sys.executable, "-m", "distflow.cli"]}
 HOST_ENV_DROPPED_PREFIXES = ("KUBECONFIG", "KUBERNETES_", "DISTFLOW_OPERATOR_")
 DEFAULT_TERMINATION_PATH = "/dev/termination-log"
 HOST_SHM = "/dev/shm"
-API_OUTAGE_S = 120.0
-"""The kubelet gives up (and the test fails) after the API server failed every call this long."""
 MAX_GRACE_S = 5.0
 """Cap on terminationGracePeriodSeconds: tests should not wait 30 s for a SIGTERM."""
 
@@ -173,6 +171,8 @@ class LocalKubelet:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.error: BaseException | None = None
+        self.api_errors: list[str] = []
+        """Failed API calls that were retried (diagnostics)."""
 
     def __enter__(self) -> LocalKubelet:
         self._thread = threading.Thread(target=self._loop, daemon=True, name="local-kubelet")
@@ -213,22 +213,21 @@ class LocalKubelet:
         for log in sorted(self.workdir.glob("*/container.log")):
             tail = log.read_text(errors="replace").splitlines()[-lines:]
             out.append(f"--- {log.parent.name}\n" + "\n".join(tail))
+        if self.api_errors:
+            out.append(f"--- retried API errors: {self.api_errors[-5:]}")
         return "\n".join(out)
 
     # -- the loop ----------------------------------------------------------------------------
 
     def _loop(self) -> None:
-        failing_since = None
         try:
             while not self._stop.is_set():
                 try:
                     self._sync()
-                    failing_since = None
-                except (OSError, ControlPlaneError):
-                    # A loaded API server times out now and then; the kubelet retries, as the real one does.
-                    failing_since = failing_since or time.monotonic()
-                    if time.monotonic() - failing_since > API_OUTAGE_S:
-                        raise
+                except (OSError, ControlPlaneError) as err:
+                    # A loaded API server times out now and then: retry, as the real kubelet does
+                    # (the test's own deadline decides when the cluster is too slow).
+                    self.api_errors.append(repr(err))
                 self._stop.wait(self.poll_s)
         except Exception as err:  # noqa: BLE001  (surfaced by stop(); a silently dead kubelet hangs the test)
             self.error = err
@@ -266,7 +265,7 @@ class LocalKubelet:
 
     def _pod_ip(self) -> str:
         ip = f"127.0.0.{self._next_ip}"
-        self._next_ip = self._next_ip % 250 + 2
+        self._next_ip = self._next_ip + 1 if self._next_ip < 254 else 2
         return ip
 
     def _volumes(self, pod: dict[str, Any], pod_dir: Path) -> dict[str, str]:
@@ -302,7 +301,8 @@ class LocalKubelet:
         meta = pod["metadata"]
         simple = {"metadata.name": meta["name"], "metadata.namespace": meta["namespace"],
                   "metadata.uid": meta["uid"], "spec.nodeName": pod["spec"].get("nodeName", ""),
-                  "spec.serviceAccountName": pod["spec"].get("serviceAccountName", "default")}
+                  "spec.serviceAccountName": pod["spec"].get("serviceAccountName", "default"),
+                  "status.hostIP": "127.0.0.1"}
         if path in simple:
             return simple[path]
         for prefix, source in (("metadata.labels", "labels"), ("metadata.annotations", "annotations")):
@@ -362,9 +362,13 @@ class LocalKubelet:
         argv = ENTRYPOINTS.get(argv[0], argv[:1]) + [self._rewrite_path(a, mounts) for a in argv[1:]]
         env = self._env(pod, pods, pod_ip, mounts)
         forwarders, probe_url = [], None
-        for port in container.get("ports") or []:
-            host_port = self._host_port(uid, port["containerPort"])
-            forwarders.append(_Forwarder(pod_ip, port["containerPort"], host_port))
+        try:
+            for port in container.get("ports") or []:
+                forwarders.append(_Forwarder(pod_ip, port["containerPort"], self._host_port(uid, port["containerPort"])))
+        except OSError:
+            for forwarder in forwarders:
+                forwarder.close()
+            raise
         probe = (container.get("readinessProbe") or {}).get("httpGet")
         if probe:
             named = {p.get("name"): p["containerPort"] for p in container.get("ports") or []}

@@ -82,10 +82,9 @@ def metric_names(expr: str) -> set[str]:
 
 def exported_families() -> dict[str, str]:
     """Metric family -> type, declared by the runtime's and the operator's collectors."""
-    from prometheus_client import CollectorRegistry
-
     from distflow.exporter import NodeExporter
     from distflow_operator.metrics import JobSample, OperatorMetrics
+    from prometheus_client import CollectorRegistry
 
     operator = OperatorMetrics()
     operator.record_job("ns", "j", JobSample("Running", 0, 1, 1))
@@ -174,6 +173,12 @@ class Prometheus:
         stop_process(self.proc)
 
 
+def scraped(prometheus: Prometheus, job: str, num_targets: int) -> bool:
+    """Whether the last scrape of every one of ``num_targets`` targets of ``job`` succeeded."""
+    up = prometheus.api("query", query=f'count(up{{job="{job}"}} == 1)')["result"]
+    return bool(up) and int(up[0]["value"][1]) == num_targets
+
+
 def stop_process(proc: subprocess.Popen) -> None:
     if proc.poll() is None:
         proc.send_signal(signal.SIGTERM)
@@ -228,10 +233,14 @@ def test_every_dashboard_query_returns_series_from_a_scraped_run(control_plane, 
     run = start_local_run(tmp_path, node_port)
     start = time.time()
     try:
+        # The operator runs while the run trains, not while it loads: short enough that no
+        # watch of kopf's reaches its server timeout and reconnects.
+        wait_for(lambda: run.poll() is not None or scraped(prometheus, "distflow-nodes", 2), 600, 0.5,
+                 what="Prometheus scraped both nodes of the run")
         with operator_running(operator_kubeconfig_path, k8s_namespace, METRICS_PORT=str(operator_port)):
             # Counters' increases count from the first scrape: the job starts after it.
-            wait_for(lambda: prometheus.api("query", query='up{job="distflow-operator"} == 1')["result"], 30,
-                     0.2, what="Prometheus scraped the operator")
+            wait_for(lambda: scraped(prometheus, "distflow-operator", 1), 30, 0.2,
+                     what="Prometheus scraped the operator")
             drive_operator_job(control_plane, Api(control_plane, k8s_namespace), k8s_namespace)
             assert run.wait(timeout=600) == 0, (tmp_path / "run.log").read_text()[-3000:]
             time.sleep(2 * SCRAPE_INTERVAL_S)

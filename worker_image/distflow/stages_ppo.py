@@ -5,7 +5,8 @@ step's local batch, already laid out for the node's placement); registered
 into ``stages.STAGES`` by role. Fields added:
 
     values          values [T_total] (critic, rollout time; the clip centre of the critic update)
-    critic (train)  updates the critic on ``returns``
+    critic (train)  updates the critic on ``returns``; critic/vf_explained_var_rollout scores the
+                    rollout-time values (out of sample), critic/vf_explained_var the update's predictions
     reward_shaping  token_level_rewards [T_total] = scores + overlong penalty - beta * KL
     filter_groups   replaces the batch: groups whose scores differ, refilled by more rounds
 
@@ -24,8 +25,8 @@ from __future__ import annotations
 import torch
 
 from distflow.algorithms import (
-    AdaptiveKLController, FixedKLController, apply_kl_penalty, groups_with_signal, overlong_penalty,
-    plan_group_selection,
+    AdaptiveKLController, FixedKLController, apply_kl_penalty, explained_variance, groups_with_signal,
+    overlong_penalty, plan_group_selection,
 )
 from distflow.data.batch import PackedBatch
 from distflow.data.exchange import allgather_lengths
@@ -54,10 +55,15 @@ def run_values(worker, node: PlannedNode) -> None:
 
 
 def run_critic_update(worker, node: PlannedNode) -> None:
+    """Train the critic; also score its rollout-time values against the returns they never saw."""
     batch = worker.coordinator.batch
     mask = batch.token_fields["response_mask"].double()
-    worker.metrics.add_mean("critic/values/mean", (batch.token_fields["values"] * mask).sum(), mask.sum())
-    worker.metrics.add_mean("critic/returns/mean", (batch.token_fields["returns"] * mask).sum(), mask.sum())
+    values, returns = batch.token_fields["values"].double(), batch.token_fields["returns"].double()
+    worker.metrics.add_mean("critic/values/mean", (values * mask).sum(), mask.sum())
+    worker.metrics.add_mean("critic/returns/mean", (returns * mask).sum(), mask.sum())
+    ev = explained_variance(values[None], returns[None], mask[None], worker.global_sum)
+    if torch.isfinite(ev):  # NaN (equal returns) is NaN on every rank: the metric keys stay aligned
+        worker.metrics.add_mean("critic/vf_explained_var_rollout", float(ev), 1.0)
     worker.critic.update(batch, worker.metrics)
 
 
@@ -77,7 +83,8 @@ def run_reward_shaping(worker, node: PlannedNode) -> None:
     if alg.use_kl_in_reward:
         rewards = _kl_in_reward(worker, mb, rewards)
     worker.metrics.add_mean("critic/rewards/mean", (rewards * mb.response_mask).double().sum(), batch.num_samples)
-    worker.coordinator.produce(node.id, batch.with_fields(token={"token_level_rewards": model_ops.unwindow(mb, rewards)}))
+    shaped = model_ops.unwindow(mb, rewards)
+    worker.coordinator.produce(node.id, batch.with_fields(token={"token_level_rewards": shaped}))
 
 
 def _kl_in_reward(worker, mb: model_ops.MicroBatch, rewards: torch.Tensor) -> torch.Tensor:

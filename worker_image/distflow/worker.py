@@ -201,27 +201,39 @@ class DagWorker:
         self.metrics.add_sum("data/exchanges", sum(self.counters.exchanges.values()) - exchanges_before)
         self.metrics.add_max("timing_s/step", time.perf_counter() - start)
         out = self.metrics.reduce(self.device)
-        out.update(self._busiest_bytes(sum(step_sent.values())))
+        busiest, node_bytes = self._transfer_stats(step_sent)
+        out.update(busiest)
         out["perf/throughput"] = out["perf/total_num_tokens"] / (out["timing_s/step"] * self.env.world_size)
         out["training/step"] = self.step + 1
-        self._export(out, step_sent)
+        self._export(out, node_bytes)
         return out
 
-    def _busiest_bytes(self, mine_sent: float) -> dict[str, float]:
-        """Bytes through each rank this step (sent + received) -> the busiest and the mean."""
+    def _transfer_stats(self, step_sent: dict[str, int]) -> tuple[dict[str, float], dict]:
+        """Gather every rank's bytes of this step (metadata-sized: one row per rank).
+
+        Returns:
+            ({"data/busiest_rank_bytes", "data/mean_rank_bytes"} over sent + received,
+             {(rank, edge): bytes sent} for the ranks of this node, for its exporter).
+        """
+        edges = sorted(step_sent)
         received = sum(self.counters.bytes_received.values())
-        local = torch.tensor([[mine_sent + received - self._received_before]], dtype=torch.float64)
+        row = [float(step_sent[e]) for e in edges] + [float(received - self._received_before)]
         self._received_before = received
+        local = torch.tensor([row], dtype=torch.float64)
         gathered = [torch.zeros_like(local) for _ in range(self.env.world_size)]
         dist.all_gather(gathered, local)
-        per_rank = torch.cat(gathered).flatten()
-        return {"data/busiest_rank_bytes": float(per_rank.max()),
-                "data/mean_rank_bytes": float(per_rank.mean())}
+        table = torch.cat(gathered)
+        per_rank = table.sum(dim=1)
+        node_bytes = {(r, e): float(table[r, j]) for r in range(self.env.world_size)
+                      if self.plan.node_of_rank(r) == self.env.node_rank for j, e in enumerate(edges)}
+        return ({"data/busiest_rank_bytes": float(per_rank.max()),
+                 "data/mean_rank_bytes": float(per_rank.mean())}, node_bytes)
 
-    def _export(self, out: dict[str, float], step_sent: dict[str, int]) -> None:
+    def _export(self, out: dict[str, float], node_bytes: dict) -> None:
         if self.exporter is None:
             return
-        self.exporter.observe_step(self.step + 1, out, {(self.rank, e): v for e, v in step_sent.items()},
+        # Each node counts its share of the tokens, so summing over nodes gives the job's total.
+        self.exporter.observe_step(self.step + 1, out, node_bytes,
                                    out["perf/total_num_tokens"] / max(1, self.env.num_nodes),
                                    out["data/cache_hits"], out["data/exchanges"])
 

@@ -46,7 +46,8 @@ class ValueModel(torch.nn.Module):
         """Values of the last ``num_positions`` positions: [b, num_positions], float32."""
         hidden = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                             use_cache=False).last_hidden_state
-        return self.value_head(hidden[:, -num_positions:]).squeeze(-1).float()
+        # A fresh tensor, not a view: FSDP2 hooks its root module's output for backward.
+        return self.value_head(hidden[:, -num_positions:]).squeeze(-1).float().clone()
 
 
 def load_value_model(local_dir: str, dtype: str = "float32") -> ValueModel:

@@ -1,10 +1,11 @@
-"""Bench-local prototype of a faster balancer, measured next to the runtime's.
+"""Bench-local prototype of faster per-edge planning, measured next to the runtime's.
 
-Not runtime code: it shows what the proposed change to
-``distflow.data.balance.balance_partition`` and
-``distflow.data.redistribute.balanced_assignment`` buys, with the same
-results contract (equal counts, indices sorted, never worse than
-Karmarkar-Karp at few samples per rank).
+Not runtime code: it shows what the proposed changes to
+``distflow.data.balance.balance_partition``,
+``distflow.data.redistribute.balanced_assignment`` / ``plan_redistribution``
+and ``distflow.data.exchange``'s size bookkeeping buy, with the same results
+contract (equal counts, indices sorted, never worse than Karmarkar-Karp at
+few samples per rank, the same bytes on the wire).
 
 Changes against the runtime (measured in docs/benchmarks.md):
 
@@ -25,6 +26,11 @@ Changes against the runtime (measured in docs/benchmarks.md):
 ``sparse_balanced_assignment`` maps bins to ranks like ``balanced_assignment``
 but only scores (bin, rank) pairs that share samples (at most B of them)
 instead of all k^2: identical output, O(B log B) instead of O(k^2 log k).
+
+``rank_wire_plan`` is what one rank needs to run its ``all_to_all_single``:
+its send row and receive column of the byte matrix, in O(B + N), where the
+runtime builds the whole [N][N] ``sends`` plan (``plan_redistribution``) and
+the whole [N][N] size matrix (``exchange._size_matrix``) on every rank.
 """
 
 from __future__ import annotations
@@ -206,3 +212,29 @@ def sparse_balanced_assignment(src_holdings: Sequence[Sequence[int]], costs, num
     for b, r in rank_of_bin.items():
         out[r] = bins_ids[b]
     return out
+
+
+def rank_wire_plan(src_holdings: Sequence[Sequence[int]], dst_assignment: Sequence[Sequence[int]],
+                   lengths: Sequence[int], rank: int, bytes_per_token: int, bytes_per_sample: int):
+    """(send_positions [N] lists, send_bytes [N], recv_bytes [N]) of one rank, in O(B + N).
+
+    ``lengths[id]`` is sample id's tokens; byte sizes ignore the runtime's
+    8-byte field padding (a constant per piece).
+    """
+    num_ranks = len(src_holdings)
+    owner = {}
+    for src, held in enumerate(src_holdings):
+        for pos, gid in enumerate(held):
+            owner[gid] = (src, pos)
+    send_positions: list[list[int]] = [[] for _ in range(num_ranks)]
+    send_bytes = [0] * num_ranks
+    recv_bytes = [0] * num_ranks
+    for dst, ids in enumerate(dst_assignment):
+        for gid in ids:
+            src, pos = owner[gid]
+            if src == rank and dst != rank:
+                send_positions[dst].append(pos)
+                send_bytes[dst] += lengths[gid] * bytes_per_token + bytes_per_sample
+            elif dst == rank and src != rank:
+                recv_bytes[src] += lengths[gid] * bytes_per_token + bytes_per_sample
+    return send_positions, send_bytes, recv_bytes

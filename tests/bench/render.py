@@ -1,0 +1,276 @@
+"""Markdown sections and PNG plots of docs/benchmarks.md, from the saved results.
+
+Each ``render_<section>(result) -> str`` turns one section's JSON (as the
+benchmark modules return it) into markdown and writes that section's plots
+under docs/benchmarks/. ``targets(results)`` evaluates the issue's targets.
+"""
+
+from __future__ import annotations
+
+from tests.bench._common import FIGURES_DIR, fmt_bytes, md_table
+
+FIG_LINK = "benchmarks"  # figures' folder relative to docs/benchmarks.md
+
+
+def _plt():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _save(fig, name: str) -> str:
+    FIGURES_DIR.mkdir(parents=True, exist_ok=True)
+    fig.tight_layout()
+    fig.savefig(FIGURES_DIR / name, dpi=110)
+    _plt().close(fig)
+    return f"![{name}]({FIG_LINK}/{name})"
+
+
+def funnel_rows(result: dict) -> list[dict]:
+    """Per (N, L): the ratios the targets are about."""
+    out = []
+    for row in result["rows"]:
+        s, b = row["seconds"], row["busiest_rank_bytes"]
+        n = row["world_size"]
+        out.append({
+            "N": n, "L": row["nominal_tokens"], "total": row["total_bytes"],
+            "bytes_dist": b["distflow"], "bytes_cent": b["centralized"],
+            "bytes_ratio": b["distflow"] / b["centralized"], "bytes_target": 1.25 / n,
+            "t_dist": s["distflow"], "t_cent": s["centralized"],
+            "speedup": s["centralized"] / s["distflow"],
+            "speedup_best": min(row["seconds_all"]["centralized"]) / min(row["seconds_all"]["distflow"]),
+            "speedup_exchange": s["centralized_exchange"] / s["distflow_exchange"],
+            "speedup_bare": s["bare_gather_scatter"] / s["bare_all_to_all"],
+            "t_bare_a2a": s["bare_all_to_all"], "t_xchg": s["distflow_exchange"],
+            "planning": row["planning_seconds"], "allgather": row["allgather_seconds"],
+            "identical": row["identical_results"],
+            "moved": row["moved_samples"] / row["total_samples"],
+        })
+    return out
+
+
+def render_funnel(result: dict) -> str:
+    rows = funnel_rows(result)
+    table = md_table(
+        ["N", "L", "batch (all ranks)", "busiest rank: distflow", "centralized", "ratio", "target 1.25/N",
+         "edge ms: distflow", "centralized", "speedup", "best-of speedup", "exchange-only speedup",
+         "bare a2a vs gather-scatter",
+         "planning ms", "1 all_gather ms", "moved", "identical"],
+        [[r["N"], r["L"], fmt_bytes(r["total"]), fmt_bytes(r["bytes_dist"]), fmt_bytes(r["bytes_cent"]),
+          f"{r['bytes_ratio']:.3f}", f"{r['bytes_target']:.3f}", f"{r['t_dist'] * 1e3:.1f}",
+          f"{r['t_cent'] * 1e3:.1f}", f"**{r['speedup']:.2f}x**", f"{r['speedup_best']:.2f}x",
+          f"{r['speedup_exchange']:.2f}x",
+          f"{r['speedup_bare']:.2f}x", f"{r['planning'] * 1e3:.1f}", f"{r['allgather'] * 1e3:.2f}",
+          f"{r['moved']:.0%}", "yes" if r["identical"] else "**NO**"] for r in rows])
+    mem = result.get("memory", {})
+    mem_table = ""
+    if mem.get("per_rank") and not mem["per_rank"][0].get("unsupported"):
+        mem_table = md_table(
+            ["rank", "own batch", "peak growth: distflow", "centralized"],
+            [[r, fmt_bytes(x["batch_bytes"]), fmt_bytes(x["distflow"]), fmt_bytes(x["centralized"])]
+             for r, x in enumerate(mem["per_rank"])])
+        mem_table = (f"\nPeak resident-memory growth of each rank during one edge (N = {mem['world_size']}, "
+                     f"L = {mem['nominal_tokens']}; fresh processes, VmHWM reset before each edge):\n\n"
+                     + mem_table + "\n")
+    phases = result["rows"][-1].get("exchange_phases_rank0")
+    phase_line = ""
+    if phases:
+        last = result["rows"][-1]
+        phase_line = (f"\nWhere one `exchange` call spends its time on rank 0 (N = {last['world_size']}, "
+                      f"L = {last['nominal_tokens']}, plan precomputed, median of 5): "
+                      + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in phases.items())
+                      + ". torch.distributed calls per edge on rank 0: "
+                      + "; ".join(f"{k}: " + ", ".join(f"{n} x {c}" for n, c in v.items())
+                                  for k, v in last["messages_rank0"].items()) + ".\n")
+    return "\n".join([table, "", _funnel_plots(rows), phase_line, mem_table])
+
+
+def _funnel_plots(rows: list[dict]) -> str:
+    plt = _plt()
+    lengths = sorted({r["L"] for r in rows})
+    sizes = sorted({r["N"] for r in rows})
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    for length in lengths:
+        sel = [r for r in rows if r["L"] == length]
+        ax1.plot([r["N"] for r in sel], [r["bytes_ratio"] for r in sel], "o-", label=f"L={length}")
+        ax2.plot([r["N"] for r in sel], [r["speedup"] for r in sel], "o-", label=f"distflow, L={length}")
+        ax2.plot([r["N"] for r in sel], [r["speedup_bare"] for r in sel], "x:", color=ax2.lines[-1].get_color())
+    ax1.plot(sizes, [1.25 / n for n in sizes], "k--", label="target 1.25/N")
+    ax1.set(xlabel="gloo ranks N", ylabel="busiest-rank bytes, distributed / centralized",
+            title="Bytes through the busiest process", xscale="log", xticks=sizes, xticklabels=sizes)
+    ax2.axhline(5, color="k", ls="--", label="target 5x (N=8, 16k)")
+    ax2.set(xlabel="gloo ranks N", ylabel="centralized time / distributed time",
+            title="Edge speedup (x: bare collectives)", xscale="log", xticks=sizes, xticklabels=sizes)
+    ax1.legend(fontsize=8)
+    ax2.legend(fontsize=7)
+    by_n = _save(fig, "funnel_vs_n.png")
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for n in sizes:
+        sel = [r for r in rows if r["N"] == n]
+        line, = ax.plot([r["L"] for r in sel], [r["speedup"] for r in sel], "o-", label=f"N={n} edge")
+        ax.plot([r["L"] for r in sel], [r["speedup_exchange"] for r in sel], "s--", color=line.get_color(),
+                label=f"N={n} exchange only")
+        ax.plot([r["L"] for r in sel], [r["speedup_bare"] for r in sel], "x:", color=line.get_color(),
+                label=f"N={n} bare")
+    ax.set(xscale="log", xlabel="nominal tokens per sample", ylabel="centralized / distributed time",
+           title="Speedup vs sample length", xticks=lengths, xticklabels=lengths)
+    ax.legend(fontsize=7)
+    return by_n + "\n" + _save(fig, "funnel_vs_length.png")
+
+
+def render_balancer(result: dict) -> str:
+    rows = result["rows"]
+    methods = ["lpt", "lpt_plain", "karmarkar_karp", "contiguous", "prototype"]
+    parts = []
+    for dataset in ("gsm8k", "long_tail"):
+        body = []
+        for per in sorted({r["per_rank"] for r in rows}):
+            for dp in sorted({r["dp"] for r in rows}):
+                cell = {r["method"]: r for r in rows if (r["dataset"], r["per_rank"], r["dp"]) == (dataset, per, dp)}
+                body.append([per, dp] + [f"{cell[m]['vs_bound_mean']:.4f}" for m in methods]
+                            + [f"{cell['lpt']['vs_mean_mean']:.4f}", f"{cell['lpt']['vs_strong_bound_mean']:.4f}"])
+        parts.append(f"**{dataset}** (max load / max(mean load, longest item), mean over seeds):\n\n" + md_table(
+            ["samples/rank", "dp"] + methods + ["lpt max/mean", "lpt / strong bound"], body))
+    plan = result["planning"]
+    timing = md_table(["dataset"] + list(next(iter(plan["seconds"].values()))),
+                      [[d] + [f"{v * 1e3:.1f}" for v in t.values()] for d, t in plan["seconds"].items()])
+    names = ("runtime", "prototype", "prototype_rank_plan")
+    scaling = md_table(["ranks", "samples"] + [f"{n} (s)" for n in names],
+                       [[r["num_ranks"], r["num_samples"]] + [f"{r[n]:.3f}" if n in r else "not run" for n in names]
+                        for r in result["plan_scaling"]])
+    stats = result["gsm8k_length_stats"]
+    return "\n\n".join(parts + [
+        f"GSM8K-derived lengths: {stats['count']} records, mean {stats['mean']:.0f}, "
+        f"min {stats['min']}, max {stats['max']} tokens.",
+        f"Planning time for {plan['num_samples']} samples over {plan['num_ranks']} ranks, ms (median of 7; "
+        "`coordinator_plan_*` = the per-edge planning variants of the next table, at this size):\n\n"
+        + timing,
+        "Per-edge planning on every rank as the job grows (16 samples per rank, long-tailed lengths): "
+        "`runtime` = balanced_assignment + plan_redistribution + exchange's [N][N] size matrix; "
+        "`prototype` = the prototype balancer and sparse assignment with the runtime's plan and sizes; "
+        "`prototype_rank_plan` = the prototype with one rank's O(B + N) wire plan:\n\n" + scaling,
+        _balancer_plot(rows)])
+
+
+def _balancer_plot(rows: list[dict]) -> str:
+    plt = _plt()
+    methods = ["lpt", "lpt_plain", "karmarkar_karp", "contiguous", "prototype"]
+    pers = sorted({r["per_rank"] for r in rows})
+    fig, axes = plt.subplots(2, len(pers), figsize=(4 * len(pers), 7), squeeze=False)
+    for i, dataset in enumerate(("gsm8k", "long_tail")):
+        for j, per in enumerate(pers):
+            ax = axes[i][j]
+            for m in methods:
+                sel = sorted((r for r in rows if (r["dataset"], r["per_rank"], r["method"]) == (dataset, per, m)),
+                             key=lambda r: r["dp"])
+                ax.plot([r["dp"] for r in sel], [r["vs_bound_mean"] for r in sel], "o-" if m != "prototype" else "x--",
+                        label=m, ms=4)
+            ax.axhline(1.01, color="k", ls=":", lw=1)
+            ax.set(xscale="log", yscale="log", title=f"{dataset}, {per} samples/rank", xlabel="dp size",
+                   ylabel="max load / max(mean, longest)")
+    axes[0][0].legend(fontsize=7)
+    return _save(fig, "imbalance_vs_dp.png")
+
+
+def render_double_buffer(result: dict) -> str:
+    rows = result["rows"]
+    table = md_table(
+        ["generation size", "swap (us, median)", "swap max (us)", "inline free (ms)", "background free (ms)",
+         "RSS returned"],
+        [[fmt_bytes(r["bytes"]), f"{r['swap_seconds'] * 1e6:.1f}", f"{r['swap_seconds_max'] * 1e6:.1f}",
+          f"{r['inline_free_seconds'] * 1e3:.2f}", f"{r['background_free_seconds'] * 1e3:.2f}",
+          fmt_bytes(r["rss_returned_bytes"])] for r in rows])
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(6, 4))
+    sizes = [r["bytes"] / 2**20 for r in rows]
+    ax.plot(sizes, [r["swap_seconds"] for r in rows], "o-", label="DoubleBuffer.swap (critical path)")
+    ax.plot(sizes, [r["inline_free_seconds"] for r in rows], "s--", label="inline free (what swap avoids)")
+    ax.plot(sizes, [r["background_free_seconds"] for r in rows], "x:", label="background free (off the path)")
+    ax.set(xscale="log", yscale="log", xlabel="generation size (MiB)", ylabel="seconds",
+           title="Double buffer swap vs freeing")
+    ax.legend(fontsize=8)
+    return table + "\n\n" + _save(fig, "double_buffer.png")
+
+
+def render_e2e(result: dict) -> str:
+    if "error" in result:
+        return f"**Not measured:** {result['error']}"
+    s = result["settings"]
+    settings = md_table(["setting", "value"], [[k, v] for k, v in s.items()])
+    summ = result["summary"]
+    table = md_table(
+        ["framework", "median step (s)", "tokens/step", "tokens/s (machine)", "mean response", "steps measured",
+         "run wall times (s)"],
+        [[name, f"{x['median_step_seconds']:.2f}", f"{x['median_step_tokens']:.0f}",
+          f"{x['median_tokens_per_s']:.1f}", f"{x['mean_response_length']:.1f}", x["steps_measured"],
+          ", ".join(f"{w:.0f}" for w in x["run_wall_seconds"])] for name, x in summ.items()])
+    per_run = md_table(["run", "step seconds", "step tokens"],
+                       [[f"{name} #{i}", ", ".join(f"{v:.2f}" for v in r["step_seconds"]),
+                         ", ".join(f"{v:.0f}" for v in r["step_tokens"])]
+                        for name, runs in result["runs"].items() for i, r in enumerate(runs)])
+    stages = summ["distflow"].get("median_stage_seconds", {})
+    if stages:
+        table += "\n\ndistflow's median step by stage (slowest rank): " + ", ".join(
+            f"{k} {v:.2f} s" for k, v in stages.items())
+    return (f"TRL {result['trl_version']}. Settings (both frameworks):\n\n{settings}\n\n{table}\n\n"
+            f"distflow / TRL throughput: **{result['speedup']:.2f}x**.\n\nEvery step (first of each run dropped "
+            f"from the medians as warm-up):\n\n{per_run}")
+
+
+def render_memory(result: dict) -> str:
+    if "error" in result:
+        return f"**Not measured:** {result['error']}"
+    need = result["need_bytes"]
+    rows = []
+    for mode, summ in result["summary"].items():
+        for rank, (peak, anon) in enumerate(zip(summ["peak_rss"], summ["peak_anon"])):
+            rows.append([mode, rank, fmt_bytes(peak), fmt_bytes(anon), f"{peak / need:.2f}"])
+    p, w = result["num_params"], result["world_size"]
+    arithmetic = (f"P = {p:,} parameters, W = {w} workers: rollout copy 4P = {fmt_bytes(4 * p)}, actor shard "
+                  f"4P/W = {fmt_bytes(4 * p / w)}, gradient shard 4P/W = {fmt_bytes(4 * p / w)}, Adam moments "
+                  f"8P/W = {fmt_bytes(8 * p / w)}; need = {fmt_bytes(need)}; 1.5 x need = {fmt_bytes(1.5 * need)}.")
+    spread = md_table(["mode", "max peak / median peak"],
+                      [[m, f"{s['max_over_median']:.3f}"] for m, s in result["summary"].items()])
+    return "\n\n".join([arithmetic, md_table(["mode", "rank", "peak RSS (VmHWM)", "peak anonymous RSS",
+                                              "peak / need"], rows), spread])
+
+
+def render_gpu(result: dict | None) -> str:
+    if not result:
+        return ("**Not run yet.** No GPU machine was lent to the session that wrote this report. Run "
+                "`python -m tests.bench.gpu_check` on one (under 10 minutes); it writes "
+                "docs/benchmarks/gpu_results.json, which the report then shows here with its date.")
+    if "skipped" in result:
+        return f"Skipped: {result['skipped']}"
+    copy = result["device_copy"]
+    lines = [f"Run on {result['date']}: {result['device_count']} x {result['device']}, torch {result['torch']}, "
+             f"NCCL {result['nccl']}.", "",
+             md_table(["measure", "GB/s"], [[k.replace("_bytes_per_s", ""), f"{v / 1e9:.1f}"]
+                                            for k, v in copy.items() if k.endswith("_per_s")]
+                      + [["PackedBatch.select on device", f"{result['pack']['bytes_per_s'] / 1e9:.1f}"]])]
+    red = result["redistribution"]
+    if "rows" in red:
+        lines += ["", md_table(["L", "busiest rank bytes", "distflow GB/s", "centralized GB/s", "bare a2a GB/s",
+                                "distflow / device copy"],
+                               [[r["nominal_tokens"], fmt_bytes(r["busiest_rank_bytes"])]
+                                + [f"{r['busiest_bytes_per_s'][k] / 1e9:.1f}" for k in
+                                   ("distflow", "centralized", "bare_all_to_all")]
+                                + [f"{r['busiest_bytes_per_s']['distflow'] / copy['d2d_bytes_per_s']:.3f}"]
+                                for r in red["rows"]])]
+    else:
+        lines += ["", f"Redistribution: {red.get('skipped')}"]
+    lines += ["", f"Training on CUDA ({result['train_step']['workers']} worker(s)): "
+              + "; ".join(f"step {i + 1}: {s.get('timing_s/step', 0):.2f} s" for i, s in
+                          enumerate(result["train_step"]["steps"]))]
+    return "\n".join(lines)
+
+
+def speedup_at(result: dict, n: int, length: int) -> float | None:
+    for r in funnel_rows(result):
+        if (r["N"], r["L"]) == (n, length):
+            return r["speedup"]
+    return None
+
