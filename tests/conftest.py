@@ -18,6 +18,16 @@ import pytest
 
 
 @pytest.hookimpl(trylast=True)  # after -m deselection, so torch loads only for selected gpu tests
+REPO = Path(__file__).resolve().parents[1]
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # Subprocesses the tests start (`python -m distflow.cli ...`) import this checkout's sources too.
+    own = [str(REPO / "worker_image"), str(REPO / "operator")]
+    rest = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and p not in own]
+    os.environ["PYTHONPATH"] = os.pathsep.join(own + rest)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     if "bench" not in (config.getoption("markexpr") or ""):
         skip_bench = pytest.mark.skip(reason="benchmark: run with -m bench")

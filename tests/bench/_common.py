@@ -10,9 +10,8 @@ from __future__ import annotations
 import os
 import platform
 import statistics
-import time
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Sequence
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DOCS_DIR = REPO_ROOT / "docs"
@@ -38,17 +37,6 @@ def max_over_ranks(seconds: float, group=None) -> float:
     value = torch.tensor([seconds], dtype=torch.float64)
     dist.all_reduce(value, op=dist.ReduceOp.MAX, group=group)
     return float(value)
-
-
-def time_collective(fn: Callable[[], object], group=None) -> tuple[float, object]:
-    """Barrier, run ``fn`` on every rank, return (slowest rank's seconds, fn's result)."""
-    import torch.distributed as dist
-
-    dist.barrier(group=group)
-    start = time.perf_counter()
-    out = fn()
-    elapsed = time.perf_counter() - start
-    return max_over_ranks(elapsed, group), out
 
 
 def peak_rss_bytes(pid: int | str = "self") -> int:

@@ -120,10 +120,11 @@ def planning_times(num_samples: int = 4096, num_ranks: int = 64, repeats: int = 
         costs = draw(dataset, gsm8k_lengths(), num_samples, 7)
         fns = dict(partitioners())
         fns.pop("contiguous")
-        timings = {name: _median_time(lambda: fn(costs, num_ranks), repeats) for name, fn in fns.items()}
+        timings = {name: _median_time(functools.partial(fn, costs, num_ranks), repeats)
+                   for name, fn in fns.items()}
         for name, plan in _coordinator_plans().items():
             timings[f"coordinator_plan_{name}"] = _median_time(
-                lambda: plan(costs, num_ranks, num_samples // num_ranks), repeats)
+                functools.partial(plan, costs, num_ranks, num_samples // num_ranks), repeats)
         out[dataset] = timings
     return {"num_samples": num_samples, "num_ranks": num_ranks, "seconds": out}
 
@@ -179,7 +180,7 @@ def plan_scaling(per_rank: int = 16, rank_counts=(32, 64, 128, 256, 512, 1024),
         for name, plan in _coordinator_plans().items():
             if name == "runtime" and k > runtime_max_ranks:
                 continue
-            row[name] = _median_time(lambda: plan(costs, k, per_rank), 3 if k < 256 else 1)
+            row[name] = _median_time(functools.partial(plan, costs, k, per_rank), 3 if k < 256 else 1)
         rows.append(row)
     return rows
 

@@ -119,8 +119,9 @@ def main() -> None:
         print(json.dumps(rows))
         return
     for r in rows:
-        print(f"{r['bytes'] / 2**20:7.0f} MiB: swap {r['swap_seconds'] * 1e6:7.1f} us, inline free "
-              f"{r['inline_free_seconds'] * 1e3:8.2f} ms, background free {r['background_free_seconds'] * 1e3:8.2f} ms, "
+        print(f"{r['bytes'] / 2**20:7.0f} MiB: swap {r['swap_seconds'] * 1e6:7.1f} us, "
+              f"inline free {r['inline_free_seconds'] * 1e3:8.2f} ms, "
+              f"background free {r['background_free_seconds'] * 1e3:8.2f} ms, "
               f"RSS returned {r['rss_returned_bytes'] / 2**20:7.1f} MiB")
 
 

@@ -405,7 +405,8 @@ def main() -> None:
     for row in out["rows"]:
         s, b = row["seconds"], row["busiest_rank_bytes"]
         print(f"N={row['world_size']} L={row['nominal_tokens']:>6}: "
-              f"speedup {s['centralized'] / s['distflow']:.2f}x (bare {s['bare_gather_scatter'] / s['bare_all_to_all']:.2f}x) "
+              f"speedup {s['centralized'] / s['distflow']:.2f}x "
+              f"(bare {s['bare_gather_scatter'] / s['bare_all_to_all']:.2f}x) "
               f"bytes ratio {b['distflow'] / b['centralized']:.3f} (1.25/N = {1.25 / row['world_size']:.3f}) "
               f"dist {s['distflow'] * 1e3:.1f} ms cent {s['centralized'] * 1e3:.1f} ms "
               f"a2a {s['bare_all_to_all'] * 1e3:.1f} ms gs {s['bare_gather_scatter'] * 1e3:.1f} ms "

@@ -80,7 +80,6 @@ def pack_throughput(copy_bps: float, num_samples: int = 64, nominal: int = 32768
 def _nccl_worker(rank: int, world: int, port: int, nominals, samples_per_rank: int, out_dir: str) -> None:
     import torch.distributed as dist
 
-    from distflow.data.exchange import exchange, exchange_centralized
     from tests.bench.funnel import _byte_matrices, _plan_edge
 
     torch.cuda.set_device(rank)
@@ -93,16 +92,7 @@ def _nccl_worker(rank: int, world: int, port: int, nominals, samples_per_rank: i
                           {k: v.to(dev) for k, v in cpu.sample_fields.items()})
         lengths, plan = _plan_edge(batch)
         wire, inbound, _ = _byte_matrices(batch, plan, lengths)
-        send = torch.zeros(max(sum(wire[rank]), 1), dtype=torch.uint8, device=dev)
-        recv = torch.empty(max(sum(r[rank] for r in wire), 1), dtype=torch.uint8, device=dev)
-
-        def bare():
-            dist.all_to_all_single(recv[: sum(r[rank] for r in wire)], send[: sum(wire[rank])],
-                                   [r[rank] for r in wire], wire[rank])
-
-        variants = {"distflow": lambda: exchange(batch, plan, all_lengths=lengths),
-                    "centralized": lambda: exchange_centralized(batch, plan, all_lengths=lengths),
-                    "bare_all_to_all": bare}
+        variants = _nccl_variants(batch, plan, lengths, wire, rank, dev)
         times = {name: _synced_max(fn, dist) for name, fn in variants.items()}
         busiest = max(sum(wire[r]) + sum(row[r] for row in wire) for r in range(world))
         rows.append({"nominal_tokens": nominal, "total_bytes": sum(inbound), "busiest_rank_bytes": busiest,
@@ -111,6 +101,24 @@ def _nccl_worker(rank: int, world: int, port: int, nominals, samples_per_rank: i
     if rank == 0:
         Path(out_dir, "nccl.json").write_text(json.dumps(rows))
     dist.destroy_process_group()
+
+
+def _nccl_variants(batch, plan, lengths, wire, rank: int, dev) -> dict:
+    """name -> callable running one edge: distflow, centralized, and the bare collective."""
+    import torch.distributed as dist
+
+    from distflow.data.exchange import exchange, exchange_centralized
+
+    send_splits, recv_splits = wire[rank], [row[rank] for row in wire]
+    send = torch.zeros(max(sum(send_splits), 1), dtype=torch.uint8, device=dev)
+    recv = torch.empty(max(sum(recv_splits), 1), dtype=torch.uint8, device=dev)
+
+    def bare():
+        dist.all_to_all_single(recv[: sum(recv_splits)], send[: sum(send_splits)], recv_splits, send_splits)
+
+    return {"distflow": lambda: exchange(batch, plan, all_lengths=lengths),
+            "centralized": lambda: exchange_centralized(batch, plan, all_lengths=lengths),
+            "bare_all_to_all": bare}
 
 
 def _synced_max(fn, dist, repeats: int = 7) -> float:

@@ -123,7 +123,7 @@ def runtime_changes(results: dict, tables: dict) -> str:
    for the rest, a stop at 0.1% above `lower_bound`, and the KK start only at <= 8 samples per rank:
    {plan['prototype'] * 1e3:.1f} ms here, within 0.1% of the bound at >= 16 samples per rank, never
    worse than KK at 4 (`tests/bench/test_plan_prototype.py` carries over as unit tests).""",
-        f"""2. **Bin-to-rank matching** (`distflow/data/redistribute.py::balanced_assignment`) sorts all k^2
+        """2. **Bin-to-rank matching** (`distflow/data/redistribute.py::balanced_assignment`) sorts all k^2
    (bin, rank) pairs in Python. Score only pairs that share samples
    (`plan_prototype.sparse_balanced_assignment`): identical output (tested against the runtime on 300
    random layouts), O(B log B).""",
@@ -174,7 +174,8 @@ def targets_table(results: dict, tables: dict, gpu: dict | None) -> str:
         fr = render.funnel_rows(funnel)
         worst = max(fr, key=lambda r: r["bytes_ratio"] / r["bytes_target"])
         rows.append(["busiest-process bytes <= 1.25/N of centralized (all N, L)",
-                     f"worst {worst['bytes_ratio']:.3f} vs {worst['bytes_target']:.3f} (N={worst['N']}, L={worst['L']})",
+                     f"worst {worst['bytes_ratio']:.3f} vs {worst['bytes_target']:.3f} "
+                     f"(N={worst['N']}, L={worst['L']})",
                      _status(all(r["bytes_ratio"] <= r["bytes_target"] for r in fr))])
         s = render.speedup_at(funnel, 8, 16384)
         bare = next((r["speedup_bare"] for r in fr if (r["N"], r["L"]) == (8, 16384)), None)
@@ -225,5 +226,6 @@ def targets_table(results: dict, tables: dict, gpu: dict | None) -> str:
         rows.append(["each worker's peak <= 1.5 x (model + grad + optimizer shards + rollout copy)",
                      f"worst {worst:.2f}x", _status(worst <= 1.5)])
     rows.append(["GPU check (NCCL bandwidth vs device copy, one CUDA step)",
-                 gpu.get("date", "skipped") if gpu else "not run yet (no GPU lent)", _status(None if not gpu else True)])
+                 gpu.get("date", "skipped") if gpu else "not run yet (no GPU lent)",
+                 _status(None if not gpu else True)])
     return "## Targets\n\n" + md_table(["target (issue)", "measured", "status"], rows)

@@ -136,12 +136,12 @@ def _pairwise_rounds(c: np.ndarray, owner: np.ndarray, k: int, target: float,
         if not improve.any():
             break
         i, j = np.divmod(flat[improve], width)
-        h, l = heavy[improve], light[improve]
-        d = cost[h, i] - cost[l, j]
-        slots[h, i], slots[l, j] = slots[l, j], slots[h, i].copy()
-        cost[h, i], cost[l, j] = cost[l, j], cost[h, i].copy()
-        loads[h] -= d
-        loads[l] += d
+        hi, lo = heavy[improve], light[improve]
+        d = cost[hi, i] - cost[lo, j]
+        slots[hi, i], slots[lo, j] = slots[lo, j], slots[hi, i].copy()
+        cost[hi, i], cost[lo, j] = cost[lo, j], cost[hi, i].copy()
+        loads[hi] -= d
+        loads[lo] += d
     owner = owner.copy()
     for r in range(k):
         owner[slots[r, : counts[r]]] = r
