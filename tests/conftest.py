@@ -17,7 +17,6 @@ from pathlib import Path
 import pytest
 
 
-@pytest.hookimpl(trylast=True)  # after -m deselection, so torch loads only for selected gpu tests
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -28,6 +27,7 @@ def pytest_configure(config: pytest.Config) -> None:
     os.environ["PYTHONPATH"] = os.pathsep.join(own + rest)
 
 
+@pytest.hookimpl(trylast=True)  # after -m deselection, so torch loads only for selected gpu tests
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     if "bench" not in (config.getoption("markexpr") or ""):
         skip_bench = pytest.mark.skip(reason="benchmark: run with -m bench")

@@ -37,7 +37,7 @@ from tests.bench.balancer import gsm8k_dir
 
 @dataclass(frozen=True)
 class Settings:
-    prompts_per_step: int = 4
+    prompts_per_step: int = 2
     group_size: int = 4
     max_response_length: int = 48
     max_prompt_length: int = 512
@@ -180,32 +180,44 @@ class StepTimes:
                 "response_length": self.lengths}
 
 
-def run(settings: Settings = Settings(), rounds: int = 2, timeout_s: float = 900.0) -> dict:
-    """Alternate distflow and TRL ``rounds`` times each; pooled per-step medians."""
+def run(settings: Settings = Settings(), rounds: int = 2, timeout_s: float = 1200.0) -> dict:
+    """Alternate distflow and TRL ``rounds`` times each; pooled per-step medians.
+
+    A run that fails or times out is recorded with its error and left out;
+    the comparison needs at least one finished run of each.
+
+    Raises:
+        RuntimeError: a framework has no finished run (its errors attached).
+    """
     runs = {"distflow": [], "trl": []}
     order = ("distflow", "trl")
     with tempfile.TemporaryDirectory(prefix="distflow-bench-e2e-") as tmp:
-        workdir = Path(tmp)
         for k in range(rounds):
             for name in order if k % 2 == 0 else order[::-1]:
                 fn = run_distflow if name == "distflow" else run_trl
-                runs[name].append(fn(settings, workdir, f"{name}{k}", timeout_s))
-    summary = {}
-    for name, items in runs.items():
-        seconds = [x for r in items for x in r["step_seconds"][1:]]
-        tokens = [x for r in items for x in r["step_tokens"][1:]]
-        rates = [t / sec for t, sec in zip(tokens, seconds)]
-        stages = {k: median([x for r in items for x in r.get("stage_seconds", {}).get(k, [])[1:]])
-                  for k in items[0].get("stage_seconds", {})}
-        summary[name] = {"median_step_seconds": median(seconds), "median_step_tokens": median(tokens),
-                         "median_stage_seconds": stages,
-                         "median_tokens_per_s": median(rates),
-                         "mean_response_length": median([x for r in items for x in r["response_length"][1:]]),
-                         "steps_measured": len(seconds),
-                         "run_wall_seconds": [r["wall_seconds"] for r in items]}
+                try:
+                    runs[name].append(fn(settings, Path(tmp), f"{name}{k}", timeout_s))
+                except (RuntimeError, subprocess.TimeoutExpired) as err:
+                    runs[name].append({"error": f"{type(err).__name__}: {str(err)[-400:]}"})
+    summary = {name: _summarize([r for r in items if "error" not in r], items) for name, items in runs.items()}
     speedup = summary["distflow"]["median_tokens_per_s"] / summary["trl"]["median_tokens_per_s"]
     return {"settings": asdict(settings), "rounds": rounds, "runs": runs, "summary": summary,
             "speedup": speedup, "trl_version": _version("trl")}
+
+
+def _summarize(done: list[dict], items: list[dict]) -> dict:
+    if not done:
+        raise RuntimeError("no finished run: " + "; ".join(r["error"] for r in items))
+    seconds = [x for r in done for x in r["step_seconds"][1:]]
+    tokens = [x for r in done for x in r["step_tokens"][1:]]
+    stages = {k: median([x for r in done for x in r.get("stage_seconds", {}).get(k, [])[1:]])
+              for k in done[0].get("stage_seconds", {})}
+    return {"median_step_seconds": median(seconds), "median_step_tokens": median(tokens),
+            "median_stage_seconds": stages,
+            "median_tokens_per_s": median([t / sec for t, sec in zip(tokens, seconds)]),
+            "mean_response_length": median([x for r in done for x in r["response_length"][1:]]),
+            "steps_measured": len(seconds), "runs_failed": len(items) - len(done),
+            "run_wall_seconds": [r["wall_seconds"] for r in done]}
 
 
 def _version(package: str) -> str:

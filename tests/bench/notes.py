@@ -215,7 +215,7 @@ def targets_table(results: dict, tables: dict, gpu: dict | None) -> str:
                      f"worst {worst['efficiency']:.1%} ({worst['workload']})", _status(worst["efficiency"] >= 0.95)])
     e2e = results.get("e2e", {}).get("result", {})
     rows.append(["distflow >= 2x TRL GRPOTrainer throughput",
-                 f"{e2e['speedup']:.2f}x" if "speedup" in e2e else e2e.get("error", "not run"),
+                 f"{e2e['speedup']:.2f}x" if "speedup" in e2e else e2e.get("error", "not run")[:120],
                  _status(e2e["speedup"] >= 2 if "speedup" in e2e else None)])
     mem = results.get("memory", {}).get("result", {})
     if "summary" in mem:

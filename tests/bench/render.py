@@ -209,7 +209,8 @@ def render_e2e(result: dict) -> str:
           ", ".join(f"{w:.0f}" for w in x["run_wall_seconds"])] for name, x in summ.items()])
     per_run = md_table(["run", "step seconds", "step tokens"],
                        [[f"{name} #{i}", ", ".join(f"{v:.2f}" for v in r["step_seconds"]),
-                         ", ".join(f"{v:.0f}" for v in r["step_tokens"])]
+                         ", ".join(f"{v:.0f}" for v in r["step_tokens"])] if "error" not in r
+                        else [f"{name} #{i}", f"failed: {r['error'][:200]}", ""]
                         for name, runs in result["runs"].items() for i, r in enumerate(runs)])
     stages = summ["distflow"].get("median_stage_seconds", {})
     if stages:

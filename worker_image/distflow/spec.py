@@ -236,7 +236,8 @@ class WorkflowNodeSpec(_Spec):
     id: str = Field(pattern=r"^[a-z][a-z0-9_]*$")
     """Unique node id."""
     role: str
-    """rollout, reward, reference, old_log_prob, advantage, actor, critic, values or custom."""
+    """rollout, reward, reference, old_log_prob, advantage, actor, critic, values, reward_shaping,
+    filter_groups or custom."""
     kind: Literal["inference", "train", "compute"]
     """What the node does with its model: inference, train, or compute (no model)."""
     deps: list[str] = Field(default_factory=list)
