@@ -119,7 +119,7 @@ def smollm2_num_parameters() -> int:
     return num_parameters(load_causal_lm(resolve_model("smollm2", model_cache_dir())))
 
 
-def run(steps: int = 3, rounds: int = 1, timeout_s: float = 900.0) -> dict:
+def run(steps: int = 2, rounds: int = 1, timeout_s: float = 1200.0) -> dict:
     """Alternating distributed / centralized quickstart runs; per-rank peaks of each."""
     from distflow.spec import load_job_spec
 
@@ -145,7 +145,7 @@ def summarize(items: list[dict]) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=1)
     args = parser.parse_args()
     print(json.dumps(run(args.steps, args.rounds), indent=1))

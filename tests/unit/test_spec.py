@@ -99,3 +99,16 @@ def test_spec_names_match_runtime_registries():
     assert set(spec.POLICY_LOSSES) == set(algorithms.POLICY_LOSSES)
     assert set(spec.KL_ESTIMATORS) == set(algorithms.KL_ESTIMATORS)
     assert set(spec.LOSS_AGG_MODES) == set(algorithms.LOSS_AGG_MODES)
+
+
+def test_preflight_rejects_missing_data_file_and_cycle_before_workers(tmp_path):
+    from distflow.launcher import preflight
+
+    spec = parse_spec({**MINIMAL, "data": {"train": {"path": str(tmp_path / "nope.jsonl")}}})
+    with pytest.raises(DistflowConfigError, match=r"spec.data.train.path: no such file"):
+        preflight(spec)
+    nodes = [{"id": "gen", "role": "rollout", "kind": "inference", "deps": ["train"]},
+             {"id": "train", "role": "actor", "kind": "train", "deps": ["gen"]}]
+    with pytest.raises(DistflowConfigError, match="cycle"):
+        preflight(parse_spec({**MINIMAL, "workflow": {"nodes": nodes}}))
+    preflight(parse_spec(MINIMAL))

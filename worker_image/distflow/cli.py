@@ -70,10 +70,10 @@ def cmd_plan(args) -> int:
 
 
 def cmd_validate(args) -> int:
-    from distflow.planner import build_plan
+    from distflow.launcher import preflight
 
     spec = _load(args)
-    build_plan(spec)
+    preflight(spec)
     print(f"{args.config}: valid ({spec.world_size} workers, workflow "
           f"{spec.workflow.name if not spec.workflow.nodes else 'custom'})")
     return EXIT_OK
@@ -81,10 +81,8 @@ def cmd_validate(args) -> int:
 
 def cmd_node(args) -> int:
     from distflow.launcher import job_name_for, launch_node
-    from distflow.planner import build_plan
 
     spec = load_job_spec(args.config)
-    build_plan(spec)
     launch_node(spec, job_name_for(args.config))
     return EXIT_OK
 

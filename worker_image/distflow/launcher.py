@@ -46,6 +46,27 @@ def resolve_model_dir(spec: JobSpec) -> str:
         raise DistflowConfigError(f"spec.model.path: {err}") from None
 
 
+BUILTIN_TASKS = ("arithmetic",)
+
+
+def preflight(spec: JobSpec) -> None:
+    """Everything that can be checked before a worker starts: the plan and the data files.
+
+    Raises:
+        DistflowConfigError: an invalid workflow, or a data file that does not exist.
+    """
+    from distflow.planner import build_plan
+
+    build_plan(spec)
+    for name, ds in (("train", spec.data.train), ("eval", spec.data.eval)):
+        if ds is None or ds.path.partition(":")[0] in BUILTIN_TASKS:
+            continue
+        if not Path(ds.path).is_file():
+            raise DistflowConfigError(
+                f"spec.data.{name}.path: no such file {ds.path!r}; give an existing .jsonl or .parquet "
+                f"file (e.g. --set data.{name}.path=PATH) or a built-in task: {', '.join(BUILTIN_TASKS)}")
+
+
 def _local_worker_main(index: int, spec: JobSpec, base, with_progress: bool):
     """Worker ``index`` of a local run: node = index // procsPerNode."""
     from distflow.worker import run_worker
@@ -69,6 +90,7 @@ def launch_local(spec: JobSpec, job_name: str, resume: bool = True, progress: bo
 
     from distflow.worker import WorkerEnv
 
+    preflight(spec)
     model_dir = resolve_model_dir(spec)
     cluster = spec.cluster
     # Every worker shares this machine: local_world_size counts them all (CPU threads per worker).
@@ -117,6 +139,7 @@ def launch_node(spec: JobSpec, job_name: str, environ=os.environ) -> None:
             f"(numNodes={spec.cluster.num_nodes}, procsPerNode={spec.cluster.procs_per_node})")
     if not 0 <= node_rank < nnodes:
         raise DistflowConfigError(f"env PET_NODE_RANK={node_rank}: must be in [0, {nnodes})")
+    preflight(spec)
     model_dir = resolve_model_dir(spec)
     port = int(environ.get("DISTFLOW_METRICS_PORT", spec.trainer.metrics_port or 0))
     base = WorkerEnv(rank=node_rank * nproc, world_size=nnodes * nproc, local_rank=0,

@@ -242,6 +242,10 @@ class DagWorker:
         history = []
         if spec.checkpoint.dir and self.env.resume and spec.checkpoint.resume == "auto":
             self.step = checkpoint.load_latest(spec.checkpoint.dir, self)
+            if self.step and self.is_logger:
+                print(f"distflow: resumed from the step-{self.step} checkpoint in {spec.checkpoint.dir} "
+                      f"({spec.trainer.total_steps - self.step} steps to go; --no-resume starts over)",
+                      flush=True)
             if self.step and self.exporter is not None:
                 self.exporter.observe_checkpoint(self.step)
         if self.step == 0 and spec.data.eval is not None:
