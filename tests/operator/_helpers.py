@@ -206,6 +206,10 @@ class _ErrorLog(logging.Handler):
         self.records: list[str] = []
 
     def emit(self, record: logging.LogRecord) -> None:
+        # kopf's API client logs each retried request at ERROR ("Request attempt #1/9 failed; will
+        # retry"): a dropped connection it then recovers from, not an operator failure.
+        if " will retry" in record.getMessage() or " will re-authenticate" in record.getMessage():
+            return
         self.records.append(self.format(record))
 
 
