@@ -13,10 +13,12 @@ For dp in 2..64 and 4 / 16 / 64 samples per rank (equal counts, as the
 runtime balances), each partitioner's max rank load is divided by the mean
 load and by the bound max(mean load, longest item); the runtime's stronger
 ``lower_bound`` (pigeonhole and equal-count terms) is reported too.
-``prototype`` is the bench-local faster balancer of ``plan_prototype``,
-not runtime code. Planning time is measured for 4,096 samples over 64 ranks
-(every partitioner, and the coordinator's whole plan) and, for the scaling
-model, the coordinator's plan at 16 samples per rank from 32 to 1,024 ranks.
+``lpt`` is the runtime's ``balance_partition`` (the vectorised equal-counts
+refinement ported from ``plan_prototype``); ``prototype`` is that bench-local
+prototype, kept as a comparison. Planning time is measured for 4,096 samples
+over 64 ranks (every partitioner, and the coordinator's per-edge plan) and,
+for the scaling model, the coordinator's plan at 16 samples per rank from 32
+to 1,024 ranks.
 """
 
 from __future__ import annotations
@@ -131,9 +133,15 @@ def planning_times(num_samples: int = 4096, num_ranks: int = 64, repeats: int = 
 
 def _coordinator_plans() -> dict:
     """name -> f(costs, k, per_rank): what every rank computes for one balanced edge before
-    moving data: the target layout, the plan, and the byte sizes of its all_to_all."""
+    moving data: the target layout, its part of the plan, and the byte sizes of its all_to_all.
+
+    ``runtime`` is what the coordinator and ``exchange`` run (rank 0's part:
+    ``plan_for_rank`` and the exchange's per-rank sizes, O(B + N));
+    ``prototype`` and ``prototype_rank_plan`` swap in ``plan_prototype``'s
+    balancer and matching (and, for the latter, its wire plan) as a comparison.
+    """
     from distflow.data import exchange
-    from distflow.data.redistribute import balanced_assignment, plan_redistribution
+    from distflow.data.redistribute import balanced_assignment, plan_for_rank
 
     from tests.bench.funnel import BYTES_PER_TOKEN, make_batch
     from tests.bench.plan_prototype import rank_wire_plan, sparse_balanced_assignment
@@ -141,10 +149,9 @@ def _coordinator_plans() -> dict:
     schema = make_batch([1], 0).field_schema()
 
     def bookkeeping(held, target, costs):
-        plan = plan_redistribution(held, target)
+        plan = plan_for_rank(held, target, 0)
         lengths = [[int(costs[g]) for g in ids] for ids in held]
-        exchange._size_matrix(plan, schema, lengths)
-        exchange._shm_routes(len(held), None)
+        exchange._rank_wire_sizes(plan, schema, lengths, None)
 
     def runtime(costs, k, per):
         held = _holdings(k, per)
@@ -167,11 +174,12 @@ def _holdings(k: int, per: int) -> list[list[int]]:
 
 
 def plan_scaling(per_rank: int = 16, rank_counts=(32, 64, 128, 256, 512, 1024),
-                 runtime_max_ranks: int = 512) -> list[dict]:
+                 runtime_max_ranks: int = 1024) -> list[dict]:
     """Per-edge planning seconds vs ranks on long-tailed lengths (weak scaling: 16 per rank).
 
-    The runtime's planning is measured up to ``runtime_max_ranks`` (beyond,
-    it takes minutes); one run each from 256 ranks up, the median of 3 below.
+    The runtime's planning is measured up to ``runtime_max_ranks`` (the former
+    O(N^2) planning took minutes beyond 512); one run each from 256 ranks up,
+    the median of 3 below.
     """
     rows = []
     for k in rank_counts:

@@ -263,7 +263,7 @@ def count_messages(batch) -> dict[str, dict[str, int]]:
 
 
 _PHASES = {"_gather_metadata": "metadata all-gathers", "_pack_into": "pack", "all_to_all_single": "all_to_all",
-           "_assemble": "assemble", "_size_matrix": "size matrix"}
+           "_assemble": "assemble", "_rank_wire_sizes": "wire sizes"}
 
 
 def exchange_phases(batch, ctx, repeats: int = 5) -> dict[str, float]:

@@ -8,8 +8,9 @@
 
 Each rank holds only its own samples. To change placement every rank
 all-gathers the per-sample token counts (a few bytes per sample), computes
-the same ``RedistributionPlan`` (balanced by token cost for the train layout,
-back to the generating rank for the rollout layout) and executes it. No rank
+its own send row and receive column (``plan_for_rank``) of the same
+``RedistributionPlan`` (balanced by token cost for the train layout, back to
+the generating rank for the rollout layout) and executes it. No rank
 ever holds the global batch, except rank 0 in ``centralized`` mode, which
 routes every edge through itself as a single-controller system does.
 
@@ -28,7 +29,7 @@ from distflow.data.batch import PackedBatch
 from distflow.data.buffer import DoubleBuffer, NodeBuffer
 from distflow.data.counters import TransferCounters
 from distflow.data.exchange import allgather_lengths, exchange, exchange_centralized
-from distflow.data.redistribute import balanced_assignment, plan_redistribution
+from distflow.data.redistribute import balanced_assignment, plan_for_rank, plan_redistribution
 from distflow.planner import ROLLOUT, Plan, PlannedNode, same_samples
 from distflow.spec import JobSpec
 
@@ -96,7 +97,10 @@ class DataCoordinator:
         flat = torch.cat(lengths).tolist() if lengths else []
         if target is None:
             target = self._target(placement, holdings, flat, batch)
-        plan = plan_redistribution(holdings, target)
+        if self.centralized:
+            plan = plan_redistribution(holdings, target)  # the root rebuilds every rank's batch
+        else:
+            plan = plan_for_rank(holdings, target, self.rank)  # O(B + N): this rank's row and column
         run = exchange_centralized if self.centralized else exchange
         kwargs = dict(all_lengths=lengths)
         if not self.centralized and self.node_buffer is not None:

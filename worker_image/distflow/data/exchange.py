@@ -1,8 +1,10 @@
 """Execute a ``RedistributionPlan`` with torch.distributed (gloo on CPU, NCCL on GPU).
 
-Every rank runs ``exchange`` with the same plan. Only metadata is gathered
-(sample counts, lengths, a schema digest); each rank then knows the exact
-byte size of every piece and moves its data in ONE ``all_to_all_single``:
+Every rank runs ``exchange`` with the same plan, or with its own part of it
+(``redistribute.plan_for_rank``: its send row and receive column, built in
+O(B + N)). Only metadata is gathered (sample counts, lengths, a schema
+digest); each rank then knows the exact byte size of every piece it sends
+or receives and moves its data in ONE ``all_to_all_single``:
 
     rank r: [piece r->0 | piece r->1 | ...]  --all_to_all_single-->  [piece 0->r | piece 1->r | ...]
 
@@ -25,6 +27,7 @@ the current CUDA device; node-buffer pieces are staged through host memory.
 from __future__ import annotations
 
 import hashlib
+from dataclasses import dataclass
 from typing import Sequence
 
 import torch
@@ -33,7 +36,7 @@ import torch.distributed as dist
 from distflow.data.batch import SAMPLE, TOKEN, FieldSpec, PackedBatch, check_same_schema
 from distflow.data.buffer import NodeBuffer
 from distflow.data.counters import TransferCounters
-from distflow.data.redistribute import RedistributionPlan
+from distflow.data.redistribute import RankPlan, RedistributionPlan
 
 ALIGN = 8
 """Bytes each field chunk is padded to, so uint8 -> dtype views are aligned."""
@@ -95,8 +98,9 @@ def _schema_digest(schema: Sequence[FieldSpec]) -> int:
     return int.from_bytes(hashlib.sha256(repr(tuple(schema)).encode()).digest()[:8], "little") >> 1
 
 
-def _gather_metadata(batch, plan, group, all_lengths):
-    """Lengths of all ranks, after checking schemas and the plan agree everywhere.
+def _gather_metadata(batch, src_counts: Sequence[int], group, all_lengths):
+    """Lengths of all ranks, after checking schemas agree everywhere and that rank r
+    holds ``src_counts[r]`` samples, as the plan says.
 
     Every check uses gathered data, so all ranks raise together instead of
     one raising and the others hanging in the next collective.
@@ -108,17 +112,17 @@ def _gather_metadata(batch, plan, group, all_lengths):
     else:
         digests = [d[0] for d in _allgather_ints([digest], group)]
         lengths = [torch.as_tensor(x, dtype=torch.int64).cpu() for x in all_lengths]
-        if len(lengths) != plan.num_ranks:
-            raise ValueError(f"all_lengths has {len(lengths)} entries; need one per rank ({plan.num_ranks})")
+        if len(lengths) != len(src_counts):
+            raise ValueError(f"all_lengths has {len(lengths)} entries; need one per rank ({len(src_counts)})")
         if not torch.equal(lengths[dist.get_rank(group)], batch.seq_lens):
             raise ValueError("all_lengths[rank] differs from this rank's batch.seq_lens; "
                              "pass the output of allgather_lengths(batch.seq_lens)")
     if len(set(digests)) > 1:
         _raise_schema_mismatch(schema, len(digests), group)
-    for r, (held, lens) in enumerate(zip(plan.src_holdings, lengths)):
-        if len(held) != lens.numel():
+    for r, (count, lens) in enumerate(zip(src_counts, lengths)):
+        if count != lens.numel():
             raise ValueError(f"rank {r} has {lens.numel()} samples but plan.src_holdings[{r}] "
-                             f"lists {len(held)}; build the plan from the actual layout")
+                             f"lists {count}; build the plan from the actual layout")
     return schema, [x.tolist() for x in lengths]
 
 
@@ -130,13 +134,59 @@ def _raise_schema_mismatch(schema, num_ranks: int, group) -> None:
         check_same_schema(schemas[0], other, f"rank {r} (compared with rank 0)")
 
 
-def _size_matrix(plan: RedistributionPlan, schema, lengths) -> list[list[int]]:
-    """[N][N] wire bytes of piece src -> dst (diagonal: what stays, never sent)."""
-    out = []
-    for src, row in enumerate(plan.sends):
+@dataclass(frozen=True)
+class _WireSizes:
+    """One rank's piece sizes in bytes (as on the wire) and what every rank must agree on."""
+
+    send: list[int]
+    """[N] bytes of this rank's piece to each rank (0 for itself: what stays is never sent)."""
+    recv: list[int]
+    """[N] bytes of each rank's piece to this one (0 for itself)."""
+    send_via_shm: list[bool]
+    """[N] the piece to that rank goes through the node buffer."""
+    recv_via_shm: list[bool]
+    """[N] the piece from that rank comes through the node buffer."""
+    any_on_wire: bool
+    """Some rank sends bytes through the collective: all ranks run it, or none."""
+    any_moved: bool
+    """Some piece between two ranks has bytes; if none, the exchange is a cache hit."""
+
+
+def _rank_wire_sizes(plan: RankPlan, schema, lengths, node_of_rank) -> _WireSizes:
+    """This rank's send row and receive column of the [N][N] piece-size matrix, in O(B + N).
+
+    The group-wide flags come from ``plan.destinations`` without sizing other
+    ranks' pieces: a piece has bytes exactly when one of its samples alone
+    would (a sample field, or a token field and a non-empty sample).
+    """
+    rank = plan.rank
+
+    def nbytes(src: int, positions: Sequence[int]) -> int:
         lens = lengths[src]
-        out.append([piece_nbytes(schema, sum(lens[p] for p in pos), len(pos)) if pos else 0 for pos in row])
-    return out
+        return piece_nbytes(schema, sum(lens[p] for p in positions), len(positions)) if positions else 0
+
+    def via_shm(src: int, dst: int) -> bool:
+        return node_of_rank is not None and src != dst and node_of_rank[src] == node_of_rank[dst]
+
+    sample_has_bytes = piece_nbytes(schema, 0, 1) > 0
+    token_has_bytes = piece_nbytes(schema, 1, 0) > 0
+    moved = ((src, dst) for src, dsts in enumerate(plan.destinations) for pos, dst in enumerate(dsts)
+             if dst != src and (sample_has_bytes or (token_has_bytes and lengths[src][pos] > 0)))
+    any_moved = any_on_wire = False
+    for src, dst in moved:
+        any_moved = True
+        if not via_shm(src, dst):
+            any_on_wire = True
+            break
+    peers = range(plan.num_ranks)
+    return _WireSizes(
+        send=[0 if dst == rank else nbytes(rank, pos) for dst, pos in enumerate(plan.sends)],
+        recv=[0 if src == rank else nbytes(src, pos) for src, pos in enumerate(plan.receives)],
+        send_via_shm=[via_shm(rank, dst) for dst in peers],
+        recv_via_shm=[via_shm(src, rank) for src in peers],
+        any_on_wire=any_on_wire,
+        any_moved=any_moved,
+    )
 
 
 def _pack_into(out: torch.Tensor, batch: PackedBatch, positions: Sequence[int], schema) -> None:
@@ -183,14 +233,15 @@ def _empty_batch(schema, device) -> PackedBatch:
     return PackedBatch(torch.zeros(0, dtype=torch.int64), fields[TOKEN], fields[SAMPLE])
 
 
-def _assemble(plan: RedistributionPlan, dst: int, sources: dict, schema, device) -> PackedBatch:
-    """dst's batch in planned order: one copy per field, none if a single whole batch suffices.
+def _assemble(segments, sources: dict, schema, device) -> PackedBatch:
+    """A batch in planned order: one copy per field, none if a single whole batch suffices.
 
-    ``sources[src]`` is ``(batch, positions)``: the piece from src is
-    ``batch`` at ``positions``, or the whole of ``batch`` when positions is None.
+    ``segments`` are the destination's ``recv_segments``; ``sources[src]`` is
+    ``(batch, positions)``: the piece from src is ``batch`` at ``positions``,
+    or the whole of ``batch`` when positions is None.
     """
     pieces = []
-    for src, start, stop in plan.recv_segments(dst):
+    for src, start, stop in segments:
         batch, positions = sources[src]
         wanted = range(start, stop) if positions is None else positions[start:stop]
         pieces.append((batch, batch.row_ranges(wanted)))
@@ -222,26 +273,21 @@ def _check_inputs(batch, plan, group, node_of_rank, node_buffer) -> None:
                          f"moves {device.type} tensors; move the batch with .to()")
 
 
-def _shm_routes(world: int, node_of_rank) -> list[list[bool]]:
-    """[src][dst] True where the piece goes through the node buffer."""
-    return [[node_of_rank is not None and s != d and node_of_rank[s] == node_of_rank[d]
-             for d in range(world)] for s in range(world)]
+def _all_to_all_pieces(batch, plan: RankPlan, schema, sizes: _WireSizes, group, device
+                       ) -> dict[int, torch.Tensor]:
+    """One all_to_all_single over the pieces not handed over in shared memory; src -> bytes.
 
-
-def _all_to_all_pieces(batch, plan, schema, wire, rank, group, device) -> dict[int, torch.Tensor]:
-    """One all_to_all_single over the ``wire[src][dst]`` byte sizes; src -> received bytes.
-
-    Skipped on every rank when no rank sends anything (all ranks know ``wire``).
+    Skipped on every rank when no rank sends anything (``sizes.any_on_wire``).
     """
-    if not any(any(row) for row in wire):
+    if not sizes.any_on_wire:
         return {}
-    send_splits = wire[rank]
-    recv_splits = [row[rank] for row in wire]
+    send_splits = [0 if shm else n for n, shm in zip(sizes.send, sizes.send_via_shm)]
+    recv_splits = [0 if shm else n for n, shm in zip(sizes.recv, sizes.recv_via_shm)]
     send = torch.empty(sum(send_splits), dtype=torch.uint8, device=device)
     offset = 0
     for dst, nbytes in enumerate(send_splits):
         if nbytes:
-            _pack_into(send[offset: offset + nbytes], batch, plan.sends[rank][dst], schema)
+            _pack_into(send[offset: offset + nbytes], batch, plan.sends[dst], schema)
         offset += nbytes
     recv = torch.empty(sum(recv_splits), dtype=torch.uint8, device=device)
     dist.all_to_all_single(recv, send, recv_splits, send_splits, group=group)
@@ -255,7 +301,7 @@ def _all_to_all_pieces(batch, plan, schema, wire, rank, group, device) -> dict[i
 
 def exchange(
     batch: PackedBatch,
-    plan: RedistributionPlan,
+    plan: RedistributionPlan | RankPlan,
     group=None,
     counters: TransferCounters | None = None,
     edge: str = "",
@@ -267,8 +313,10 @@ def exchange(
 ) -> PackedBatch:
     """Move samples as ``plan`` says; returns this rank's ``plan.dst_assignment[rank]`` in order.
 
-    Collective: every rank of ``group`` calls it with the same plan. An
-    identity plan returns ``batch`` itself and moves nothing (local cache).
+    Collective: every rank of ``group`` calls it with the same plan, or with
+    its own ``plan_for_rank`` part of it (O(B + N) to build and to size, where
+    the whole plan is O(B + N^2)); both move the same bytes. An identity plan
+    returns ``batch`` itself and moves nothing (local cache).
     Otherwise: all-gather counts and a schema digest (and the lengths, unless
     ``all_lengths`` is given), publish same-node pieces to ``node_buffer``,
     one ``all_to_all_single`` for the rest, take same-node pieces, and
@@ -280,7 +328,8 @@ def exchange(
 
     Args:
         batch: this rank's samples, in ``plan.src_holdings[rank]`` order.
-        plan: the same ``RedistributionPlan`` on every rank (group ranks).
+        plan: the same ``RedistributionPlan`` on every rank (group ranks), or
+            this rank's ``RankPlan`` (``plan_for_rank(..., rank)``).
         group: process group (default: world).
         counters: records wire bytes (fields padded to 8 bytes) per edge.
         edge: name of the DAG edge, e.g. ``"rollout->actor"``.
@@ -294,58 +343,61 @@ def exchange(
         A ``PackedBatch`` whose fields may be views into the receive buffer.
 
     Raises:
-        ValueError: plan and group sizes differ, a rank's batch does not match
-            the plan, schemas differ between ranks (names the field), or the
-            batch is on the wrong device for the backend.
+        ValueError: plan and group sizes differ, a ``RankPlan`` for another
+            rank, a rank's batch does not match the plan, schemas differ
+            between ranks (names the field), or the batch is on the wrong
+            device for the backend.
     """
     _check_inputs(batch, plan, group, node_of_rank, node_buffer)
     rank, world = dist.get_rank(group), dist.get_world_size(group)
+    if isinstance(plan, RankPlan) and plan.rank != rank:
+        raise ValueError(f"plan is rank {plan.rank}'s part but this is rank {rank} of the group; "
+                         "build it with plan_for_rank(..., rank=dist.get_rank(group))")
     if plan.is_identity:
         if counters is not None:
             counters.record_exchange(edge, cache_hit=True)
         return batch
-    schema, lengths = _gather_metadata(batch, plan, group, all_lengths)
-    sizes = _size_matrix(plan, schema, lengths)
-    via_shm = _shm_routes(world, node_of_rank)
+    if isinstance(plan, RedistributionPlan):
+        plan = plan.for_rank(rank)
+    schema, lengths = _gather_metadata(batch, plan.src_counts, group, all_lengths)
+    sizes = _rank_wire_sizes(plan, schema, lengths, node_of_rank)
     device = _comm_device(group)
     for dst in range(world):
-        if via_shm[rank][dst] and sizes[rank][dst]:
-            out = node_buffer.reserve(step, edge, rank, dst, sizes[rank][dst])
-            _pack_into(out, batch, plan.sends[rank][dst], schema)
+        if sizes.send_via_shm[dst] and sizes.send[dst]:
+            out = node_buffer.reserve(step, edge, rank, dst, sizes.send[dst])
+            _pack_into(out, batch, plan.sends[dst], schema)
             node_buffer.commit(step, edge, rank, dst)
-    wire = [[0 if s == d or via_shm[s][d] else sizes[s][d] for d in range(world)] for s in range(world)]
-    received = _all_to_all_pieces(batch, plan, schema, wire, rank, group, device)
+    received = _all_to_all_pieces(batch, plan, schema, sizes, group, device)
     for src in range(world):
-        if via_shm[src][rank] and sizes[src][rank]:
+        if sizes.recv_via_shm[src] and sizes.recv[src]:
             received[src] = node_buffer.take(step, edge, src, rank).to(device)
-    result = _assemble(plan, rank, _sources(batch, plan, received, schema, lengths, rank, device),
+    result = _assemble(plan.recv_segments(), _sources(batch, plan, received, schema, lengths, device),
                        schema, device)
     if counters is not None:
-        _count(counters, edge, rank, sizes, via_shm)
+        _count(counters, edge, rank, sizes)
     return result
 
 
-def _sources(batch, plan, received, schema, lengths, rank, device) -> dict:
+def _sources(batch, plan: RankPlan, received, schema, lengths, device) -> dict:
     """``_assemble``'s sources: the local batch at the kept positions, plus each received piece."""
-    sources = {rank: (batch, plan.sends[rank][rank])}
-    for src, positions in enumerate(plan.sends):
-        if src != rank and positions[rank]:
+    rank = plan.rank
+    sources = {rank: (batch, plan.sends[rank])}
+    for src, positions in enumerate(plan.receives):
+        if src != rank and positions:
             # a piece with samples but zero bytes (no fields, or only empty samples
             # and no sample fields) was never sent: unpack it from nothing
             buffer = received.get(src, torch.empty(0, dtype=torch.uint8, device=device))
-            piece_lens = [lengths[src][p] for p in positions[rank]]
+            piece_lens = [lengths[src][p] for p in positions]
             sources[src] = (_unpack(buffer, schema, piece_lens), None)
     return sources
 
 
-def _count(counters: TransferCounters, edge: str, rank: int, sizes, via_shm) -> None:
-    world = len(sizes)
-    for peer in range(world):
+def _count(counters: TransferCounters, edge: str, rank: int, sizes: _WireSizes) -> None:
+    for peer in range(len(sizes.send)):
         if peer != rank:
-            counters.record_send(edge, rank, peer, sizes[rank][peer], handed_over=via_shm[rank][peer])
-            counters.record_receive(edge, sizes[peer][rank])
-    moved = sum(sizes[s][d] for s in range(world) for d in range(world) if s != d)
-    counters.record_exchange(edge, cache_hit=moved == 0)
+            counters.record_send(edge, rank, peer, sizes.send[peer], handed_over=sizes.send_via_shm[peer])
+            counters.record_receive(edge, sizes.recv[peer])
+    counters.record_exchange(edge, cache_hit=not sizes.any_moved)
 
 
 def _planned_lengths(plan: RedistributionPlan, lengths, dst: int) -> list[int]:
@@ -372,11 +424,15 @@ def exchange_centralized(
     Counters: ``root`` records all it receives and sends; others their one
     send and one receive.
 
-    Args/Raises: as ``exchange``.
+    Args/Raises: as ``exchange``; ``plan`` must be the whole ``RedistributionPlan``
+    (the root rebuilds every rank's batch), else ``ValueError``.
     """
+    if not isinstance(plan, RedistributionPlan):
+        raise ValueError("exchange_centralized needs the whole RedistributionPlan (plan_redistribution), "
+                         f"not {type(plan).__name__}: its root rebuilds every rank's batch")
     _check_inputs(batch, plan, group, None, None)
     rank, world = dist.get_rank(group), dist.get_world_size(group)
-    schema, lengths = _gather_metadata(batch, plan, group, all_lengths)
+    schema, lengths = _gather_metadata(batch, [len(h) for h in plan.src_holdings], group, all_lengths)
     device = _comm_device(group)
     planned = [_planned_lengths(plan, lengths, dst) for dst in range(world)]
     inbound = [piece_nbytes(schema, sum(lens), len(lens)) for lens in lengths]
@@ -426,7 +482,7 @@ def _centralized_root(batch, plan, schema, lengths, inbound, outbound, group, de
     result, sends = None, []
     for dst in range(world):
         sources = {src: (full[src], plan.sends[src][dst]) for src in range(world)}
-        part = _assemble(plan, dst, sources, schema, device)
+        part = _assemble(plan.recv_segments(dst), sources, schema, device)
         if dst == root:
             result = part
         elif outbound[dst]:

@@ -8,6 +8,12 @@ the plan replaces the driver that would otherwise gather and scatter the batch.
 Samples are named by *global ids* (ints unique within a step). A *layout* is a
 list, per rank of the process group, of the ids that rank holds, in local
 order; ranks outside a stage's layout hold ``[]``.
+
+``RedistributionPlan`` is the whole [N][N] plan (the reference, and what the
+centralized baseline's root needs). A rank that runs ``exchange`` only needs
+its send row and receive column: ``plan_for_rank`` builds that ``RankPlan``
+in O(B + N) instead of O(B + N^2), which is what keeps per-edge planning in
+milliseconds at hundreds of ranks (docs/benchmarks.md, "The balancer").
 """
 
 from __future__ import annotations
@@ -53,16 +59,28 @@ class RedistributionPlan:
         Concatenating ``piece_from[src][start:stop]`` over the runs gives dst's
         samples in planned order; fewer runs means fewer copies.
         """
-        offsets = list(itertools.accumulate((len(row[dst]) for row in self.sends), initial=0))
-        runs: list[list[int]] = []
-        for index in self.recv_order[dst]:
-            src = bisect.bisect_right(offsets, index) - 1
-            pos = index - offsets[src]
-            if runs and runs[-1][0] == src and runs[-1][2] == pos:
-                runs[-1][2] += 1
-            else:
-                runs.append([src, pos, pos + 1])
-        return tuple(tuple(r) for r in runs)
+        return _segments([len(row[dst]) for row in self.sends], self.recv_order[dst])
+
+    def for_rank(self, rank: int) -> RankPlan:
+        """``rank``'s part of this plan (what ``exchange`` runs on that rank).
+
+        Raises:
+            ValueError: ``rank`` outside 0..N-1.
+        """
+        _check_rank(rank, self.num_ranks)
+        destinations = [[0] * len(held) for held in self.src_holdings]
+        for src, row in enumerate(self.sends):
+            for dst, positions in enumerate(row):
+                for pos in positions:
+                    destinations[src][pos] = dst
+        return RankPlan(
+            rank=rank,
+            sends=self.sends[rank],
+            receives=tuple(row[rank] for row in self.sends),
+            recv_order=self.recv_order[rank],
+            destinations=tuple(tuple(d) for d in destinations),
+            is_identity=self.is_identity,
+        )
 
     def bytes_matrix(self, sample_nbytes: PerSample) -> list[list[int]]:
         """[N][N] bytes from src (row) to dst (column); ``sample_nbytes[id]`` in bytes.
@@ -84,10 +102,46 @@ class RedistributionPlan:
         )
 
 
+@dataclass(frozen=True)
+class RankPlan:
+    """One rank's part of a ``RedistributionPlan``: its send row, its receive column and
+    what every rank must agree on; identical to ``RedistributionPlan.for_rank(rank)``."""
+
+    rank: int
+    """The group rank this part is for."""
+    sends: tuple[tuple[int, ...], ...]
+    """[N] ``sends[dst]``: positions in this rank's local batch going to dst, in
+    dst's planned order (``RedistributionPlan.sends[rank]``)."""
+    receives: tuple[tuple[int, ...], ...]
+    """[N] ``receives[src]``: positions in src's local batch coming to this rank,
+    in this rank's planned order (``RedistributionPlan.sends[src][rank]``)."""
+    recv_order: tuple[int, ...]
+    """This rank's ``RedistributionPlan.recv_order``."""
+    destinations: tuple[tuple[int, ...], ...]
+    """[N][B_src] ``destinations[src][p]``: the rank src's p-th sample goes to.
+    Group-wide, O(B): every rank decides from it whether any rank moves bytes."""
+    is_identity: bool
+    """Every sample stays on its rank in the same order: zero bytes move."""
+
+    @property
+    def num_ranks(self) -> int:
+        return len(self.destinations)
+
+    @property
+    def src_counts(self) -> list[int]:
+        """[N] samples each rank holds before the move."""
+        return [len(d) for d in self.destinations]
+
+    def recv_segments(self) -> tuple[tuple[int, int, int], ...]:
+        """This rank's planned order as runs ``(src, start, stop)`` of the piece from src
+        (``RedistributionPlan.recv_segments(rank)``)."""
+        return _segments([len(r) for r in self.receives], self.recv_order)
+
+
 def plan_redistribution(
     src_holdings: Sequence[Sequence[int]], dst_assignment: Sequence[Sequence[int]]
 ) -> RedistributionPlan:
-    """Plan moving samples from ``src_holdings`` to ``dst_assignment``.
+    """Plan moving samples from ``src_holdings`` to ``dst_assignment``; O(B + N^2).
 
     Args:
         src_holdings: [N] per rank, the global ids it holds, in local order.
@@ -98,15 +152,72 @@ def plan_redistribution(
             assigned twice, assigned but held by nobody, or held but assigned
             to nobody (every sample is delivered exactly once).
     """
+    num_ranks = len(src_holdings)
+    sends = [[[] for _ in range(num_ranks)] for _ in range(num_ranks)]
+    pieces = []
+    for dst, src, pos in _routes(src_holdings, dst_assignment):
+        pieces.append((dst, src, len(sends[src][dst])))
+        sends[src][dst].append(pos)
+    return RedistributionPlan(
+        src_holdings=tuple(tuple(h) for h in src_holdings),
+        dst_assignment=tuple(tuple(a) for a in dst_assignment),
+        sends=tuple(tuple(tuple(p) for p in row) for row in sends),
+        recv_order=_recv_order(pieces, sends, num_ranks),
+    )
+
+
+def plan_for_rank(
+    src_holdings: Sequence[Sequence[int]], dst_assignment: Sequence[Sequence[int]], rank: int
+) -> RankPlan:
+    """``plan_redistribution(src_holdings, dst_assignment).for_rank(rank)`` in O(B + N).
+
+    Validates like ``plan_redistribution`` (the whole plan, so every rank
+    raises the same error) but keeps only ``rank``'s row and column.
+
+    Raises:
+        ValueError: as ``plan_redistribution``, or ``rank`` outside 0..N-1.
+    """
+    num_ranks = len(src_holdings)
+    _check_rank(rank, num_ranks)
+    sends: list[list[int]] = [[] for _ in range(num_ranks)]
+    receives: list[list[int]] = [[] for _ in range(num_ranks)]
+    destinations = [[0] * len(held) for held in src_holdings]
+    pieces = []
+    for dst, src, pos in _routes(src_holdings, dst_assignment):
+        destinations[src][pos] = dst
+        if src == rank:
+            sends[dst].append(pos)
+        if dst == rank:
+            pieces.append((src, len(receives[src])))
+            receives[src].append(pos)
+    offsets = list(itertools.accumulate((len(r) for r in receives), initial=0))
+    return RankPlan(
+        rank=rank,
+        sends=tuple(tuple(p) for p in sends),
+        receives=tuple(tuple(p) for p in receives),
+        recv_order=tuple(offsets[src] + k for src, k in pieces),
+        destinations=tuple(tuple(d) for d in destinations),
+        is_identity=all(tuple(h) == tuple(a) for h, a in zip(src_holdings, dst_assignment)),
+    )
+
+
+def _check_rank(rank: int, num_ranks: int) -> None:
+    if not 0 <= rank < num_ranks:
+        raise ValueError(f"rank = {rank} must be in 0..{num_ranks - 1} (one entry per rank of the group)")
+
+
+def _routes(src_holdings, dst_assignment):
+    """Yield ``(dst, src, position in src)`` for every assigned sample, in planned order.
+
+    Raises (when the offending entry is reached, or at the end for samples
+    assigned to nobody) the ``ValueError`` s that ``plan_redistribution`` documents.
+    """
     if len(src_holdings) != len(dst_assignment):
         raise ValueError(
             f"src_holdings has {len(src_holdings)} ranks but dst_assignment has "
             f"{len(dst_assignment)}; give one list per rank of the group (empty for idle ranks)"
         )
     owner = _owners(src_holdings)
-    num_ranks = len(src_holdings)
-    sends = [[[] for _ in range(num_ranks)] for _ in range(num_ranks)]
-    pieces = []
     assigned: dict[int, int] = {}
     for dst, ids in enumerate(dst_assignment):
         for gid in ids:
@@ -117,21 +228,27 @@ def plan_redistribution(
                     f"sample id {gid} is assigned to rank {assigned[gid]} and again to rank {dst}"
                 )
             assigned[gid] = dst
-            src, pos = owner[gid]
-            pieces.append((dst, src, len(sends[src][dst])))
-            sends[src][dst].append(pos)
-    missing = sorted(set(owner) - set(assigned))
-    if missing:
+            yield (dst, *owner[gid])
+    if len(assigned) < len(owner):
+        missing = sorted(set(owner) - set(assigned))
         raise ValueError(
             f"sample ids {missing[:10]} are held but assigned to no rank; "
             "dst_assignment must cover every held sample exactly once"
         )
-    return RedistributionPlan(
-        src_holdings=tuple(tuple(h) for h in src_holdings),
-        dst_assignment=tuple(tuple(a) for a in dst_assignment),
-        sends=tuple(tuple(tuple(p) for p in row) for row in sends),
-        recv_order=_recv_order(pieces, sends, num_ranks),
-    )
+
+
+def _segments(piece_lengths: Sequence[int], recv_order: Sequence[int]) -> tuple[tuple[int, int, int], ...]:
+    """Runs ``(src, start, stop)`` over the concatenated pieces, in ``recv_order``."""
+    offsets = list(itertools.accumulate(piece_lengths, initial=0))
+    runs: list[list[int]] = []
+    for index in recv_order:
+        src = bisect.bisect_right(offsets, index) - 1
+        pos = index - offsets[src]
+        if runs and runs[-1][0] == src and runs[-1][2] == pos:
+            runs[-1][2] += 1
+        else:
+            runs.append([src, pos, pos + 1])
+    return tuple(tuple(r) for r in runs)
 
 
 def _owners(src_holdings: Sequence[Sequence[int]]) -> dict[int, tuple[int, int]]:
@@ -176,6 +293,10 @@ def balanced_assignment(
        pair with the most bytes already on that rank (ties: lower bin, then
        lower rank), so an already balanced layout maps onto itself and the
        plan becomes the identity. Leftover bins go to leftover ranks in order.
+       Only pairs that share samples (at most B) are scored, so this costs
+       O(B log B), not O(k^2 log k) for all pairs; the result is the same
+       because pairs with no overlap, taken last in (bin, rank) order, give
+       each leftover bin the lowest leftover rank.
 
     Within a bin, samples keep rank-then-local order, so a rank that keeps
     its own samples keeps them in its order.
@@ -186,8 +307,8 @@ def balanced_assignment(
         num_ranks: destination ranks 0..num_ranks-1 (default N); the rest get ``[]``.
         equal_counts: passed to the partitioner.
         partitioner: a key of ``balance.PARTITIONERS``.
-        sample_nbytes: bytes per global id used to score overlap (default: costs,
-            as bytes grow with tokens).
+        sample_nbytes: non-negative bytes per global id used to score overlap
+            (default: costs, as bytes grow with tokens).
 
     Returns:
         [N] per destination rank, global ids in planned order.
@@ -206,21 +327,22 @@ def balanced_assignment(
         return [list(held) for held in src_holdings]
     bins_ids = [[ids[i] for i in sorted(b)] for b in bins]
     weight = costs if sample_nbytes is None else sample_nbytes
-    overlap = [[0.0] * num_ranks for _ in bins_ids]
+    overlap: dict[tuple[int, int], float] = {}  # (bin, rank) -> bytes of the bin already there
     for b, members in enumerate(bins_ids):
         for gid in members:
             if holder[gid] < num_ranks:
-                overlap[b][holder[gid]] += float(weight[gid])
-    pairs = sorted(
-        ((b, r) for b in range(len(bins_ids)) for r in range(num_ranks)),
-        key=lambda br: (-overlap[br[0]][br[1]], br[0], br[1]),
-    )
+                key = (b, holder[gid])
+                overlap[key] = overlap.get(key, 0.0) + float(weight[gid])
     rank_of_bin: dict[int, int] = {}
     taken: set[int] = set()
-    for b, r in pairs:
-        if b not in rank_of_bin and r not in taken:
+    for (b, r), score in sorted(overlap.items(), key=lambda kv: (-kv[1], kv[0])):
+        if score > 0 and b not in rank_of_bin and r not in taken:
             rank_of_bin[b] = r
             taken.add(r)
+    free = iter(r for r in range(num_ranks) if r not in taken)
+    for b in range(len(bins_ids)):
+        if b not in rank_of_bin:
+            rank_of_bin[b] = next(free)
     assignment: list[list[int]] = [[] for _ in range(group_size)]
     for b, r in rank_of_bin.items():
         assignment[r] = bins_ids[b]
