@@ -50,6 +50,7 @@ def test_camel_and_snake_case_are_both_accepted():
     ({**MINIMAL, "rollout": {"tensorParallelSize": 2}, "cluster": {"numNodes": 2}},
      "spec.rollout.tensorParallelSize", "engine vllm"),
     ({**MINIMAL, "dataPlane": {"mode": "driver"}}, "spec.dataPlane.mode", "centralized"),
+    ({**MINIMAL, "rollout": {"val": {"n": 4}}}, "spec.rollout.val.n", "set rollout.val.temperature > 0"),
 ])
 def test_bad_spec_names_field_and_fix(doc, path, fix):
     problems = _problems(doc)

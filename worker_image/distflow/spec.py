@@ -99,6 +99,25 @@ class DataSpec(_Spec):
     None: chosen per record by its data_source."""
 
 
+class ValSamplingSpec(_Spec):
+    """How the held-out prompts of `data.eval` are answered (verl's `rollout.val_kwargs`).
+
+    The default is greedy, one response per prompt. With `temperature > 0` each
+    prompt gets `n` sampled responses from a fixed seed (the same at every
+    evaluation) and the score is their mean (verl's `mean@n`): the reward the
+    policy earns at its sampling temperature, which is what GRPO optimises.
+    """
+
+    n: int = Field(default=1, ge=1)
+    """Responses per held-out prompt (more than 1 needs `temperature > 0`)."""
+    temperature: float = Field(default=0.0, ge=0.0)
+    """0 is greedy."""
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    """Nucleus sampling threshold."""
+    top_k: int = Field(default=0, ge=0)
+    """Top-k sampling (0: off)."""
+
+
 class RolloutSpec(_Spec):
     engine: Literal["hf", "vllm"] = "hf"
     """`hf` (transformers `generate`, CPU and GPU) or `vllm` (GPU, when installed)."""
@@ -114,6 +133,8 @@ class RolloutSpec(_Spec):
     """Ranks per rollout replica (vllm only; hf runs with 1)."""
     micro_batch_size: int = Field(default=64, ge=1)
     """Sequences generated at once per rank."""
+    val: ValSamplingSpec = ValSamplingSpec()
+    """Sampling for the held-out set (`data.eval`); greedy by default."""
 
 
 class KLControlSpec(_Spec):
@@ -208,6 +229,11 @@ class ActorSpec(_Spec):
     """Passes over each batch."""
     micro_batch_size: int = Field(default=4, ge=1)
     """Sequences per forward/backward on a rank (gradient accumulation above it)."""
+    share_prompt_prefix: bool = True
+    """Run each prompt once per micro-batch in the actor update and the old and reference
+    log-prob passes: responses of one prompt share a row [prompt, r_1, ..., r_k] whose attention
+    mask keeps them apart (Prefix Grouper, arXiv 2506.05433). Same log-probs and gradients up to
+    float rounding, fewer tokens; needs sdpa or eager attention."""
 
 
 class CriticSpec(_Spec):
@@ -465,6 +491,10 @@ def _algorithm_problems(spec: JobSpec):
     if alg.filter_groups.enable and spec.rollout.n < 2:
         yield ("algorithm.filterGroups.enable: a group of rollout.n=1 response never has differing "
                "scores, so every group would be dropped; set rollout.n >= 2 or disable it")
+    val = spec.rollout.val
+    if val.n > 1 and val.temperature == 0:
+        yield (f"rollout.val.n: {val.n} responses per held-out prompt need sampling, but greedy "
+               f"(temperature 0) gives one; set rollout.val.temperature > 0 or rollout.val.n: 1")
     if spec.workflow.nodes is None and spec.workflow.name == "ppo" and alg.advantage_estimator != "gae":
         yield (f"algorithm.advantageEstimator: the ppo workflow trains its critic on GAE returns, "
                f"not {alg.advantage_estimator!r}; use gae (or workflow grpo/dapo)")

@@ -77,6 +77,20 @@ def _release_freed_memory() -> None:
         pass
 
 
+def _mem_mark(label: str) -> None:
+    """TEMP: print VmRSS/VmHWM/RssAnon/RssFile (MiB) when DISTFLOW_MEMTRACE is set."""
+    if not os.environ.get("DISTFLOW_MEMTRACE"):
+        return
+    import re, sys
+    text = Path("/proc/self/status").read_text()
+    vals = {k: int(re.search(k + r":\s+(\d+)", text).group(1)) // 1024
+            for k in ("VmRSS", "VmHWM", "RssAnon", "RssFile")}
+    print(f"MEMTRACE pid={os.getpid()} {label:<28} " + " ".join(f"{k}={v}" for k, v in vals.items()),
+          file=sys.stderr, flush=True)
+    if os.environ.get("DISTFLOW_MEMTRACE") == "phase":
+        Path("/proc/self/clear_refs").write_text("5")
+
+
 def _seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed % 2**32)
@@ -100,8 +114,11 @@ class DagWorker:
         self.rollout_dp_rank = self.plan.layouts[ROLLOUT].dp_rank(env.rank)
         self.step = 0
         self.step_records: dict = {}
+        _mem_mark("init (imports, pg)")
         self._build_models()
+        _mem_mark("models built")
         _release_freed_memory()
+        _mem_mark("after malloc_trim")
         self._build_data()
         self.metrics = StepMetrics()
         self.counters = TransferCounters(
@@ -119,13 +136,44 @@ class DagWorker:
         _seed_everything(spec.trainer.seed)
         self.tokenizer = load_tokenizer(env.model_dir)
         mesh = fsdp.dp_mesh(self.device, env.world_size)
+        _mem_mark("tokenizer+mesh")
         self.rollout_model = load_causal_lm(env.model_dir, spec.model.dtype).to(self.device).eval()
+        _mem_mark("rollout copy loaded")
         actor_model = load_causal_lm(env.model_dir, spec.model.dtype).to(self.device)
+        _mem_mark("actor loaded")
         if spec.model.gradient_checkpointing:
             actor_model.gradient_checkpointing_enable()
         self.actor_model = fsdp.apply_fsdp(actor_model, mesh)
+        del actor_model
+        _mem_mark("actor fully_shard")
         self.actor = Actor.build(spec, self.actor_model, self.tokenizer.pad_token_id,
                                  env.world_size, self.device)
+        _mem_mark("optimizer built")
+        if os.environ.get("DISTFLOW_MEMTRACE"):  # TEMP
+            orig_sync = self.actor.sync_rollout
+
+            def traced_sync(m):
+                _mem_mark(f"step{self.step} actor updated")
+                out = orig_sync(m)
+                _mem_mark(f"step{self.step} weights synced")
+                return out
+            self.actor.sync_rollout = traced_sync
+            orig_loss = self.actor._micro_loss
+
+            def traced_loss(*a, **k):
+                _mem_mark(f"step{self.step} before forward")
+                out = orig_loss(*a, **k)
+                _mem_mark(f"step{self.step} forward done")
+                return out
+            self.actor._micro_loss = traced_loss
+            orig_step = self.actor.optimizer.step
+
+            def traced_step(*a, **k):
+                _mem_mark(f"step{self.step} backward+clip done")
+                out = orig_step(*a, **k)
+                _mem_mark(f"step{self.step} adam step done")
+                return out
+            self.actor.optimizer.step = traced_step
         self.ref_model = None
         if any(n.role == "reference" for n in self.plan.chain):
             ref = load_causal_lm(env.model_dir, spec.model.dtype).to(self.device).eval()
@@ -162,21 +210,36 @@ class DagWorker:
 
     @torch.no_grad()
     def evaluate(self) -> float:
-        """Mean reward of greedy responses on the eval set (every rank scores its share)."""
+        """Mean reward on the eval set (every rank scores its share), sampled as `rollout.val` says.
+
+        Greedy by default; with `rollout.val.temperature > 0`, the mean over
+        `rollout.val.n` responses per prompt (verl's mean@n) from a seed that
+        is the same at every evaluation, so evaluations differ only by the policy.
+        """
         if self.spec.data.eval is None:
             return float("nan")
+        val = self.spec.rollout.val
         prompts = render_prompts(self.tokenizer, self.eval_records, self.spec.data.max_prompt_length,
                                  self.spec.data.system_prompt)
-        params = SamplingParams(1, 0.0, 1.0, 0, self.spec.data.max_response_length,
-                                self.spec.rollout.micro_batch_size)
+        params = SamplingParams(val.n, val.temperature, val.top_p, val.top_k,
+                                self.spec.data.max_response_length, self.spec.rollout.micro_batch_size)
+        # "Step" -1: apart from every training step's rollout seed (stages.rollout hashes the same tuple).
+        seed = hash((self.spec.trainer.seed, -1, self.rollout_dp_rank)) & 0x7FFFFFFF
         batch = generate(self.rollout_model, self.tokenizer, prompts, list(range(len(prompts))),
-                         params, 0, self.device)
+                         params, seed, self.device)
         texts = response_texts(self.tokenizer, batch)
-        scores = compute_scores(texts, self.eval_records, self.spec.data.reward_fn)
+        records = [rec for rec in self.eval_records for _ in range(val.n)]
+        scores = compute_scores(texts, records, self.spec.data.reward_fn)
         if self.writer is not None:
-            self.writer.write_samples(self.step, self.eval_records, texts, scores)
+            self.writer.write_samples(self.step, records, texts, scores)
         sums = self.global_sum(torch.tensor([sum(scores), len(scores)], dtype=torch.float64))
         return float(sums[0] / max(sums[1], 1.0))
+
+    def _eval_metrics(self) -> dict[str, float]:
+        """``eval/score`` and verl's name for it, ``val-core/<data source>/reward/mean@<n>``."""
+        score = self.evaluate()
+        source = self.eval_records[0].data_source if self.eval_records else "eval"
+        return {"eval/score": score, f"val-core/{source}/reward/mean@{self.spec.rollout.val.n}": score}
 
     def run_step(self) -> dict[str, float]:
         self.coordinator.next_step(self.step)
@@ -189,6 +252,7 @@ class DagWorker:
             with self.metrics.timer(node.id):
                 self.coordinator.ensure(node)
                 STAGES[node.role](self, node)
+            _mem_mark(f"step{self.step} after {node.id}")
         batch = self.coordinator.batch
         self.metrics.add_sum("perf/total_num_tokens", float(batch.num_tokens))
         self.metrics.add_max("data/balance_imbalance", self.coordinator.last_imbalance)
@@ -249,7 +313,7 @@ class DagWorker:
             if self.step and self.exporter is not None:
                 self.exporter.observe_checkpoint(self.step)
         if self.step == 0 and spec.data.eval is not None:
-            self._log({"training/step": 0, "eval/score": self.evaluate()})
+            self._log({"training/step": 0, **self._eval_metrics()})
         fail_at = int(os.environ.get("DISTFLOW_INJECT_FAILURE_AT_STEP", "0"))
         while self.step < spec.trainer.total_steps:
             if fail_at and self.step + 1 == fail_at:
@@ -260,7 +324,7 @@ class DagWorker:
             every = spec.trainer.eval_every_steps
             if spec.data.eval is not None and (self.step == spec.trainer.total_steps or
                                                (every and self.step % every == 0)):
-                out["eval/score"] = self.evaluate()
+                out.update(self._eval_metrics())
             self._log(out)
             history.append(out)
             if progress:

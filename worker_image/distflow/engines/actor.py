@@ -101,7 +101,7 @@ class Actor:
     def _optimizer_step(self, part: PackedBatch, on_policy: bool, metrics, num_steps: int) -> None:
         norm = self._global_counts(part)
         for chunk in model_ops.split_micro_batches(part, self.spec.actor.micro_batch_size):
-            mb = model_ops.collate(chunk, self.pad_token_id)
+            mb = model_ops.collate(chunk, self.pad_token_id, self.spec.actor.share_prompt_prefix)
             loss, stats, ntok = self._micro_loss(mb, norm, on_policy)
             (loss * self.dp_size).backward()
             for k, v in stats.items():

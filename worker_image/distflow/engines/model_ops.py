@@ -10,17 +10,70 @@ share of the FLOPs.
 
 Every per-token tensor the algorithms see is this *response window*
 ``[b, R]``: column j of row i is token ``L - R + j`` of that row.
+
+Shared prompt prefixes (Prefix Grouper, Liu et al. 2025, arXiv 2506.05433):
+the n responses of a GRPO prompt repeat its P prompt tokens n times. With
+``share_prompt_prefix`` the forward pass instead runs one row
+``[prompt, r_1, ..., r_k]`` per prompt of the micro-batch (``PrefixRows``):
+a 4-D attention mask lets each response see the whole prompt and its own
+earlier tokens but no other response, and its position ids continue from P,
+so every response's hidden states, and hence log-probs, entropies and
+gradients, equal the per-sample pass's up to float rounding. The results are
+scattered back into the same response window, so callers do not change.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 from dataclasses import dataclass
 
 import torch
 
 from distflow.algorithms import entropy_from_logits, log_probs_from_logits
 from distflow.data.batch import PackedBatch, from_padded
+
+
+@dataclass(frozen=True)
+class PrefixRows:
+    """A micro-batch regrouped so that samples with one prompt share one row.
+
+    Samples share a row when their ``group_index`` is equal and their prompt
+    tokens are identical (both are checked). Row r is ``[prompt, r_1, ..., r_k]``
+    followed by right padding: g rows of width S. M counts the response tokens
+    of the micro-batch.
+    """
+
+    input_ids: torch.Tensor
+    """[g, S] int64, right-padded."""
+    position_ids: torch.Tensor
+    """[g, S] 0..P-1 on the prompt; P, P+1, ... again on every response; 0 on padding."""
+    segment: torch.Tensor
+    """[g, S] int64: 0 on the prompt, k on the row's k-th response (1-based), -1 on padding."""
+    keep: torch.Tensor
+    """[g, S] bool: positions whose logits are needed (the last prompt token, and
+    every response token but the response's last)."""
+    logit_index: torch.Tensor
+    """[M] int64: for each response token, the position predicting it, as an index
+    into the kept positions in row-major order."""
+    labels: torch.Tensor
+    """[M] int64: the response tokens."""
+    window_index: torch.Tensor
+    """[M] int64: where each response token sits in the flattened ``[b, R]`` response window."""
+
+    def attention_allowed(self, device: torch.device) -> torch.Tensor:
+        """[g, S, S] bool, True where query position q may attend key position k.
+
+        Causal, and a key is visible when it is a prompt token or in the
+        query's own segment: responses see the prompt and themselves, never
+        each other; padding sees the prompt and padding (never an empty row),
+        and no real token sees padding.
+        """
+        segment = self.segment.to(device)
+        pos = torch.arange(segment.shape[1], device=device)
+        causal = pos[:, None] >= pos[None, :]
+        key, query = segment[:, None, :], segment[:, :, None]
+        return causal & ((key == 0) | (key == query))
 
 
 @dataclass(frozen=True)
@@ -37,6 +90,9 @@ class MicroBatch:
     """[b, R] float, 1 on generated tokens in the response window."""
     source: PackedBatch
     """The packed samples this micro-batch came from."""
+    prefix_rows: PrefixRows | None = None
+    """The shared-prompt layout that ``forward_log_probs`` runs instead of
+    ``input_ids``; None when not asked for or when no two samples share a prompt."""
 
     @property
     def window(self) -> int:
@@ -44,10 +100,12 @@ class MicroBatch:
         return self.response_mask.shape[1]
 
 
-def collate(batch: PackedBatch, pad_token_id: int) -> MicroBatch:
+def collate(batch: PackedBatch, pad_token_id: int, share_prompt_prefix: bool = False) -> MicroBatch:
     """Left-pad packed samples for a forward pass.
 
-    Needs token fields ``input_ids`` and ``response_mask`` ([T_total]).
+    Needs token fields ``input_ids`` and ``response_mask`` ([T_total]);
+    ``share_prompt_prefix`` also needs sample fields ``prompt_len``,
+    ``response_len`` and ``group_index`` (without ``group_index`` nothing is shared).
     """
     lens = batch.seq_lens
     width = int(lens.max())
@@ -56,8 +114,66 @@ def collate(batch: PackedBatch, pad_token_id: int) -> MicroBatch:
     position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
     resp_full = batch.to_padded("response_mask", pad_value=0, max_len=width, left_pad=True)
     window = max(1, int(batch.sample_fields["response_len"].max()))
+    rows = share_prompts(batch, pad_token_id, window) if share_prompt_prefix else None
     return MicroBatch(input_ids, attention_mask, position_ids,
-                      resp_full[:, -window:].float(), batch)
+                      resp_full[:, -window:].float(), batch, rows)
+
+
+def share_prompts(batch: PackedBatch, pad_token_id: int, window: int) -> PrefixRows | None:
+    """The shared-prompt layout of ``batch``, rows in order of their first sample.
+
+    Args:
+        window: R, the response window's width (>= every ``response_len``).
+    Returns:
+        None when ``batch`` has no ``group_index`` or no two samples share a prompt.
+    Raises:
+        ValueError: a sample whose ``prompt_len`` is 0 or whose ``prompt_len +
+            response_len`` is not its length.
+    """
+    if "group_index" not in batch.sample_fields:
+        return None
+    ids = batch.token_fields["input_ids"].cpu()
+    offsets = batch.token_offsets
+    prompt_lens = batch.sample_fields["prompt_len"].tolist()
+    resp_lens = batch.sample_fields["response_len"].tolist()
+    rows: dict[tuple, list[int]] = {}
+    for i, (group, p, r, n) in enumerate(zip(batch.sample_fields["group_index"].tolist(), prompt_lens,
+                                             resp_lens, batch.seq_lens.tolist())):
+        if p < 1 or p + r != n:
+            raise ValueError(f"sample {i}: prompt_len {p} + response_len {r} must be its length {n}, "
+                             "with a prompt of at least one token")
+        rows.setdefault((group, tuple(ids[offsets[i]:offsets[i] + p].tolist())), []).append(i)
+    if len(rows) == batch.num_samples:
+        return None
+    members = list(rows.values())
+    width = max(prompt_lens[m[0]] + sum(resp_lens[i] for i in m) for m in members)
+    input_ids = torch.full((len(members), width), pad_token_id, dtype=torch.long)
+    position_ids = torch.zeros((len(members), width), dtype=torch.long)
+    segment = torch.full((len(members), width), -1, dtype=torch.long)
+    keep = torch.zeros((len(members), width), dtype=torch.bool)
+    predictor, labels, window_index = [], [], []
+    for row, samples in enumerate(members):
+        p = prompt_lens[samples[0]]
+        input_ids[row, :p] = ids[offsets[samples[0]]:offsets[samples[0]] + p]
+        position_ids[row, :p] = torch.arange(p)
+        segment[row, :p] = 0
+        keep[row, p - 1] = True
+        start = p
+        for k, i in enumerate(samples, start=1):
+            r = resp_lens[i]
+            labels.append(ids[offsets[i] + p:offsets[i + 1]])
+            input_ids[row, start:start + r] = labels[-1]
+            position_ids[row, start:start + r] = torch.arange(p, p + r)
+            segment[row, start:start + r] = k
+            keep[row, start:start + r - 1] = True
+            # Token 0 is predicted by the last prompt position, token t > 0 by token t - 1.
+            predictor += [row * width + p - 1] + [row * width + c for c in range(start, start + r - 1)]
+            window_index += range(i * window + window - r, (i + 1) * window)
+            start += r
+    kept_rank = keep.flatten().cumsum(0) - 1
+    return PrefixRows(input_ids, position_ids, segment, keep,
+                      logit_index=kept_rank[torch.tensor(predictor, dtype=torch.long)],
+                      labels=torch.cat(labels), window_index=torch.tensor(window_index, dtype=torch.long))
 
 
 def window_field(mb: MicroBatch, name: str) -> torch.Tensor:
@@ -84,22 +200,107 @@ def forward_log_probs(model, mb: MicroBatch, temperature: float, with_entropy: b
                       mixed_precision: str = "none"):
     """Log-probabilities of the response tokens under ``model``.
 
+    Runs ``mb.prefix_rows`` when set (see ``_shared_prompt_forward``), else the
+    left-padded ``[b, L]`` micro-batch.
+
     Returns:
         (log_probs [b, R] float32, entropy [b, R] float32 or None). Positions
         outside the response mask hold garbage; callers mask them.
     """
+    if mb.prefix_rows is not None:
+        return _shared_prompt_forward(model, mb, temperature, with_entropy, mixed_precision)
     device = next(model.parameters()).device
     with autocast(mixed_precision, device):
         out = model(input_ids=mb.input_ids.to(device), attention_mask=mb.attention_mask.to(device),
                     position_ids=mb.position_ids.to(device), logits_to_keep=mb.window + 1,
                     use_cache=False)
-    logits = out.logits[:, :-1].float()
-    if temperature > 0 and temperature != 1.0:
-        logits = logits / temperature
+    logits = _tempered(out.logits[:, :-1].float(), temperature)
     labels = mb.input_ids[:, -mb.window:].to(device)
     log_probs = log_probs_from_logits(logits, labels)
     entropy = entropy_from_logits(logits) if with_entropy else None
     return log_probs, entropy
+
+
+def _shared_prompt_forward(model, mb: MicroBatch, temperature: float, with_entropy: bool,
+                           mixed_precision: str):
+    """``forward_log_probs`` over ``mb.prefix_rows``: each prompt runs once per row.
+
+    The model gets the ``[g, S]`` rows, a ``[g, 1, S, S]`` attention mask and,
+    as ``logits_to_keep``, the ``[g, S]`` boolean ``keep`` mask, so only the
+    ``N = keep.sum()`` needed positions go through the LM head ([N, V] logits;
+    needs a transformers whose models accept a boolean ``logits_to_keep``).
+    The last prompt position's logits serve the first token of every response
+    of its row.
+
+    Returns:
+        (log_probs [b, R] float32, entropy [b, R] float32 or None), 0 outside
+        the responses.
+
+    Raises:
+        ValueError: the model's attention implementation is neither sdpa nor eager.
+        RuntimeError: the installed transformers takes no boolean ``logits_to_keep``.
+    """
+    if not _logits_to_keep_takes_a_mask():
+        import transformers
+
+        raise RuntimeError(f"actor.sharePromptPrefix needs a transformers whose models take a boolean [b, L] "
+                           f"logits_to_keep; {transformers.__version__} does not: upgrade it or set "
+                           "actor.sharePromptPrefix: false")
+    rows = mb.prefix_rows
+    device = next(model.parameters()).device
+    with autocast(mixed_precision, device):
+        out = model(input_ids=rows.input_ids.to(device),
+                    attention_mask=_attention_mask(model, rows.attention_allowed(device)),
+                    position_ids=rows.position_ids.to(device), logits_to_keep=rows.keep.to(device),
+                    use_cache=False)
+    logits = _tempered(out.logits.float(), temperature)
+    index, where = rows.logit_index.to(device), rows.window_index.to(device)
+    b, window = mb.response_mask.shape
+
+    def to_window(per_token: torch.Tensor) -> torch.Tensor:
+        return per_token.new_zeros(b * window).index_put((where,), per_token).view(b, window)
+
+    log_probs = to_window(log_probs_from_logits(logits[index], rows.labels.to(device)))
+    entropy = to_window(entropy_from_logits(logits)[index]) if with_entropy else None
+    return log_probs, entropy
+
+
+@functools.cache
+def _logits_to_keep_takes_a_mask() -> bool:
+    """Whether transformers' causal LMs slice hidden states by a boolean [b, L] ``logits_to_keep``."""
+    from transformers import modeling_utils
+
+    slice_fn = getattr(modeling_utils, "slice_logits_to_keep", None)
+    return slice_fn is not None and slice_fn(torch.zeros(1, 2, 1), torch.tensor([[True, False]])).shape == (1, 1)
+
+
+def _attention_mask(model, allowed: torch.Tensor) -> torch.Tensor:
+    """``allowed`` [g, S, S] as the [g, 1, S, S] mask the model's attention takes as is.
+
+    transformers passes a 4-D mask through unchanged: sdpa takes it boolean
+    (True = attend), eager adds it to the scores, so it gets 0 / float min.
+
+    Raises:
+        ValueError: another attention implementation (flash attention takes no 4-D mask).
+    """
+    impl = model.config._attn_implementation
+    allowed = allowed.unsqueeze(1)
+    if impl == "sdpa":
+        return allowed
+    if impl == "eager":
+        dtype = next(model.parameters()).dtype
+        return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(
+            ~allowed, torch.finfo(dtype).min)
+    raise ValueError(f"actor.sharePromptPrefix needs a 4-D attention mask, which the model's "
+                     f"{impl!r} attention does not take; use sdpa or eager, or set "
+                     "actor.sharePromptPrefix: false")
+
+
+def _tempered(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """Logits divided by the sampling temperature (unchanged for 0, greedy, and 1)."""
+    if temperature > 0 and temperature != 1.0:
+        return logits / temperature
+    return logits
 
 
 def split_micro_batches(batch: PackedBatch, micro_batch_size: int) -> list[PackedBatch]:
@@ -110,11 +311,15 @@ def split_micro_batches(batch: PackedBatch, micro_batch_size: int) -> list[Packe
 
 @torch.no_grad()
 def compute_log_probs(model, batch: PackedBatch, pad_token_id: int, micro_batch_size: int,
-                      temperature: float, mixed_precision: str = "none") -> torch.Tensor:
-    """Per-token log-probs of a whole local batch, packed ``[T_total]`` (0 on prompt tokens)."""
+                      temperature: float, mixed_precision: str = "none",
+                      share_prompt_prefix: bool = False) -> torch.Tensor:
+    """Per-token log-probs of a whole local batch, packed ``[T_total]`` (0 on prompt tokens).
+
+    ``share_prompt_prefix``: run each micro-batch's prompts once (see ``collate``).
+    """
     pieces = []
     for chunk in split_micro_batches(batch, micro_batch_size):
-        mb = collate(chunk, pad_token_id)
+        mb = collate(chunk, pad_token_id, share_prompt_prefix)
         lp, _ = forward_log_probs(model, mb, temperature, False, mixed_precision)
         pieces.append(unwindow(mb, lp.cpu()))
     if not pieces:
