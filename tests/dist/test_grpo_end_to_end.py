@@ -67,9 +67,12 @@ def _run(spec, name="job", **kw):
     return _final_params(spec), read_jsonl(f"{spec.trainer.log_dir}/metrics.jsonl")
 
 
-def test_centralized_and_distributed_give_identical_parameters(tmp_path):
-    dist_params, dist_log = _run(_spec(tmp_path, "distributed"))
-    cent_params, cent_log = _run(_spec(tmp_path, "centralized", dataPlane={"mode": "centralized"}))
+@pytest.mark.parametrize("share", [True, False], ids=["prompt-groups", "single-samples"])
+def test_centralized_and_distributed_give_identical_parameters(tmp_path, share):
+    """With shared prompt prefixes the balancer moves whole groups; without, single samples."""
+    actor = {"sharePromptPrefix": share}
+    dist_params, dist_log = _run(_spec(tmp_path, "distributed", actor=actor))
+    cent_params, cent_log = _run(_spec(tmp_path, "centralized", dataPlane={"mode": "centralized"}, actor=actor))
     assert dist_params.keys() == cent_params.keys()
     for k in dist_params:
         assert torch.equal(dist_params[k], cent_params[k]), k

@@ -10,7 +10,9 @@ Each rank holds only its own samples. To change placement every rank
 all-gathers the per-sample token counts (a few bytes per sample), computes
 its own send row and receive column (``plan_for_rank``) of the same
 ``RedistributionPlan`` (balanced by token cost for the train layout, back to
-the generating rank for the rollout layout) and executes it. No rank
+the generating rank for the rollout layout) and executes it. When the actor
+shares prompt prefixes, the train layout balances whole prompt groups (cost:
+the prompt once plus every response), so each group's prompt still runs once. No rank
 ever holds the global batch, except rank 0 in ``centralized`` mode, which
 routes every edge through itself as a single-controller system does.
 
@@ -123,6 +125,9 @@ class DataCoordinator:
     def _target(self, placement: str, holdings, lengths: list[int], batch) -> list[list[int]]:
         layout = self.plan.layouts[placement]
         if layout.balanced:
+            groups = self._prompt_groups(batch, layout.dp_size) if self.spec.actor.share_prompt_prefix else None
+            if groups is not None:
+                return self._balance_groups(holdings, lengths, groups, layout.dp_size)
             costs = [sample_cost(n, self.spec.data_plane.balance_alpha) for n in lengths]
             target = balanced_assignment(holdings, costs, layout.dp_size)
             self.last_imbalance = imbalance(costs, target)
@@ -130,6 +135,50 @@ class DataCoordinator:
         if placement == ROLLOUT:
             return self._back_to_origin(holdings, batch)
         return holdings
+
+    def _prompt_groups(self, batch: PackedBatch, dp_size: int) -> list[tuple[list[int], int]] | None:
+        """The step's prompt groups as units to balance: ([global ids], prompt tokens) each.
+
+        With ``actor.sharePromptPrefix`` a group that stays on one rank runs
+        its prompt once (``model_ops``), so it should move as a unit. One
+        metadata all-gather of ``[group_index, prompt_len]`` per sample.
+        Returns None (balance single samples instead) when the groups differ
+        in size or do not divide evenly over ``dp_size`` ranks: equal sample
+        counts per rank come first, every rank must run the same number of
+        micro-batches.
+        """
+        fields = batch.sample_fields
+        if "group_index" not in fields or "prompt_len" not in fields:
+            return None
+        rows = _allgather_rows(torch.stack([fields["group_index"], fields["prompt_len"]], 1).long())
+        members: dict[int, list[int]] = {}
+        prompt: dict[int, int] = {}
+        for gid, (group, prompt_len) in enumerate(rows.tolist()):
+            members.setdefault(group, []).append(gid)
+            prompt[group] = prompt_len
+        sizes = {len(m) for m in members.values()}
+        if len(sizes) != 1 or sizes == {1} or len(members) % dp_size:
+            return None
+        return [(m, prompt[g]) for g, m in sorted(members.items(), key=lambda kv: kv[1][0])]
+
+    def _balance_groups(self, holdings, lengths: list[int], groups, dp_size: int) -> list[list[int]]:
+        """``balanced_assignment`` over whole prompt groups, expanded back to sample ids.
+
+        A group's cost is what its shared-prefix forward processes: the prompt
+        once plus every response (``sample_cost`` of those tokens); it is held
+        where its first sample is. Within a rank, groups keep their order and
+        their samples stay adjacent, so micro-batches see whole groups.
+        """
+        alpha = self.spec.data_plane.balance_alpha
+        costs = [sample_cost(prompt_len + sum(lengths[i] - prompt_len for i in ids), alpha)
+                 for ids, prompt_len in groups]
+        rank_of_id = {gid: rank for rank, held in enumerate(holdings) for gid in held}
+        group_holdings: list[list[int]] = [[] for _ in holdings]
+        for unit, (ids, _) in enumerate(groups):
+            group_holdings[rank_of_id[ids[0]]].append(unit)
+        unit_target = balanced_assignment(group_holdings, costs, dp_size)
+        self.last_imbalance = imbalance(costs, unit_target)
+        return [[gid for unit in units for gid in groups[unit][0]] for units in unit_target]
 
     def _back_to_origin(self, holdings, batch: PackedBatch) -> list[list[int]]:
         """Every sample back to the rank that generated it, in generation order."""
