@@ -91,14 +91,23 @@ class DataCoordinator:
 
     def _move(self, placement: str, edge: str, target: list[list[int]] | None = None) -> None:
         batch = self.batch
-        lengths = allgather_lengths(batch.seq_lens)
+        layout = self.plan.layouts[placement]
+        groups = None
+        if target is None and layout.balanced and self._shares_prompts(batch):
+            # One metadata gather serves the exchange (lengths) and the balancer (prompt groups).
+            per_rank = _allgather_rows(torch.stack(
+                [batch.seq_lens, batch.sample_fields["group_index"], batch.sample_fields["prompt_len"]], 1).long())
+            lengths = [rows[:, 0].contiguous() for rows in per_rank]
+            groups = prompt_groups(torch.cat(per_rank)[:, 1:].tolist(), layout.dp_size)
+        else:
+            lengths = allgather_lengths(batch.seq_lens)
         holdings, offset = [], 0
         for lens in lengths:
             holdings.append(list(range(offset, offset + lens.numel())))
             offset += lens.numel()
         flat = torch.cat(lengths).tolist() if lengths else []
         if target is None:
-            target = self._target(placement, holdings, flat, batch)
+            target = self._target(placement, holdings, flat, batch, groups)
         if self.centralized:
             plan = plan_redistribution(holdings, target)  # the root rebuilds every rank's batch
         else:
@@ -122,10 +131,15 @@ class DataCoordinator:
             return torch.device("cuda", torch.cuda.current_device())
         return torch.device("cpu")
 
-    def _target(self, placement: str, holdings, lengths: list[int], batch) -> list[list[int]]:
+    def _shares_prompts(self, batch: PackedBatch) -> bool:
+        """The actor runs each prompt once per group (``actor.sharePromptPrefix``) and the
+        batch says which samples share a prompt."""
+        fields = batch.sample_fields
+        return self.spec.actor.share_prompt_prefix and "group_index" in fields and "prompt_len" in fields
+
+    def _target(self, placement: str, holdings, lengths: list[int], batch, groups=None) -> list[list[int]]:
         layout = self.plan.layouts[placement]
         if layout.balanced:
-            groups = self._prompt_groups(batch, layout.dp_size) if self.spec.actor.share_prompt_prefix else None
             if groups is not None:
                 return self._balance_groups(holdings, lengths, groups, layout.dp_size)
             costs = [sample_cost(n, self.spec.data_plane.balance_alpha) for n in lengths]
@@ -135,31 +149,6 @@ class DataCoordinator:
         if placement == ROLLOUT:
             return self._back_to_origin(holdings, batch)
         return holdings
-
-    def _prompt_groups(self, batch: PackedBatch, dp_size: int) -> list[tuple[list[int], int]] | None:
-        """The step's prompt groups as units to balance: ([global ids], prompt tokens) each.
-
-        With ``actor.sharePromptPrefix`` a group that stays on one rank runs
-        its prompt once (``model_ops``), so it should move as a unit. One
-        metadata all-gather of ``[group_index, prompt_len]`` per sample.
-        Returns None (balance single samples instead) when the groups differ
-        in size or do not divide evenly over ``dp_size`` ranks: equal sample
-        counts per rank come first, every rank must run the same number of
-        micro-batches.
-        """
-        fields = batch.sample_fields
-        if "group_index" not in fields or "prompt_len" not in fields:
-            return None
-        rows = _allgather_rows(torch.stack([fields["group_index"], fields["prompt_len"]], 1).long())
-        members: dict[int, list[int]] = {}
-        prompt: dict[int, int] = {}
-        for gid, (group, prompt_len) in enumerate(rows.tolist()):
-            members.setdefault(group, []).append(gid)
-            prompt[group] = prompt_len
-        sizes = {len(m) for m in members.values()}
-        if len(sizes) != 1 or sizes == {1} or len(members) % dp_size:
-            return None
-        return [(m, prompt[g]) for g, m in sorted(members.items(), key=lambda kv: kv[1][0])]
 
     def _balance_groups(self, holdings, lengths: list[int], groups, dp_size: int) -> list[list[int]]:
         """``balanced_assignment`` over whole prompt groups, expanded back to sample ids.
@@ -183,7 +172,7 @@ class DataCoordinator:
     def _back_to_origin(self, holdings, batch: PackedBatch) -> list[list[int]]:
         """Every sample back to the rank that generated it, in generation order."""
         origin = torch.stack([batch.sample_fields["origin_rank"], batch.sample_fields["origin_index"]], 1)
-        everyone = _allgather_rows(origin)
+        everyone = torch.cat(_allgather_rows(origin))
         ids = [gid for held in holdings for gid in held]
         keyed = sorted(zip(everyone.tolist(), ids))
         target: list[list[int]] = [[] for _ in holdings]
@@ -210,12 +199,38 @@ def _to_device(batch: PackedBatch, device: torch.device) -> PackedBatch:
                        sample_fields={k: v.to(device) for k, v in batch.sample_fields.items()})
 
 
-def _allgather_rows(rows: torch.Tensor) -> torch.Tensor:
-    """All ranks' [B_r, 2] int64 rows, concatenated in rank order (metadata only)."""
+def prompt_groups(rows: list[list[int]], dp_size: int) -> list[tuple[list[int], int]] | None:
+    """The step's prompt groups as units to balance: ([global ids], prompt tokens) each.
+
+    With ``actor.sharePromptPrefix`` a group that stays on one rank runs its
+    prompt once (``engines.model_ops``), so it should move as a unit.
+
+    Args:
+        rows: [B] ``[group_index, prompt_len]`` per sample, in global id order.
+        dp_size: ranks of the balanced layout.
+    Returns:
+        Groups in order of their first sample, or None (balance single
+        samples instead) when the groups differ in size, have one sample
+        each, or do not divide evenly over ``dp_size`` ranks: equal sample
+        counts per rank come first, as every rank must run the same number
+        of micro-batches.
+    """
+    members: dict[int, list[int]] = {}
+    prompt: dict[int, int] = {}
+    for gid, (group, prompt_len) in enumerate(rows):
+        members.setdefault(group, []).append(gid)
+        prompt[group] = prompt_len
+    sizes = {len(m) for m in members.values()}
+    if len(sizes) != 1 or sizes == {1} or len(members) % dp_size:
+        return None
+    return [(m, prompt[g]) for g, m in sorted(members.items(), key=lambda kv: kv[1][0])]
+
+
+def _allgather_rows(rows: torch.Tensor) -> list[torch.Tensor]:
+    """Every rank's [B_r, k] int64 rows, in rank order (metadata only; two small all-gathers)."""
     import torch.distributed as dist
 
     if not dist.is_initialized() or dist.get_world_size() == 1:
-        return rows
-    flat = rows.reshape(-1)
-    counts = allgather_lengths(flat)
-    return torch.cat(counts).reshape(-1, 2)
+        return [rows]
+    width = rows.shape[1]
+    return [flat.reshape(-1, width) for flat in allgather_lengths(rows.reshape(-1))]
