@@ -132,7 +132,15 @@ class RolloutSpec(_Spec):
     tensor_parallel_size: int = Field(default=1, ge=1)
     """Ranks per rollout replica (vllm only; hf runs with 1)."""
     micro_batch_size: int = Field(default=64, ge=1)
-    """Sequences generated at once per rank."""
+    """Sequences generated at once per rank: whole groups, `microBatchSize // n` prompts of
+    `n` samples (a group larger than this is split over calls of one prompt)."""
+    share_prefill: bool = True
+    """hf: run each prompt's prefill once for its group and copy its KV cache to the `n`
+    samples, instead of once per sample. Only speed changes: the responses are the same up to
+    float rounding (the last prompt token's logits come from a one-token step on the cache
+    instead of the full-prompt pass), which can flip a near-tie; on CPU in float32 the
+    tested responses are token-identical. Models or transformers versions it does not
+    support (sliding-window or linear-attention caches, transformers 4) prefill per sample."""
     val: ValSamplingSpec = ValSamplingSpec()
     """Sampling for the held-out set (`data.eval`); greedy by default."""
 

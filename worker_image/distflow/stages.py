@@ -41,7 +41,7 @@ def run_rollout(worker, node: PlannedNode) -> None:
     prompts = render_prompts(worker.tokenizer, records, spec.data.max_prompt_length, spec.data.system_prompt)
     params = SamplingParams(spec.rollout.n, spec.rollout.temperature, spec.rollout.top_p,
                             spec.rollout.top_k, spec.data.max_response_length,
-                            spec.rollout.micro_batch_size)
+                            spec.rollout.micro_batch_size, share_prefill=spec.rollout.share_prefill)
     seed = hash((spec.trainer.seed, worker.step, worker.rollout_dp_rank)) & 0x7FFFFFFF
     batch = generate(worker.rollout_model, worker.tokenizer, prompts, group_index, params,
                      seed, worker.device)

@@ -185,7 +185,8 @@ def _generate_round(worker, rnd: int) -> PackedBatch:
     group_index = [base + worker.rollout_dp_rank * len(records) + i for i in range(len(records))]
     prompts = render_prompts(worker.tokenizer, records, spec.data.max_prompt_length, spec.data.system_prompt)
     params = SamplingParams(spec.rollout.n, spec.rollout.temperature, spec.rollout.top_p, spec.rollout.top_k,
-                            spec.data.max_response_length, spec.rollout.micro_batch_size)
+                            spec.data.max_response_length, spec.rollout.micro_batch_size,
+                            share_prefill=spec.rollout.share_prefill)
     seed = hash((spec.trainer.seed, worker.step, worker.rollout_dp_rank, rnd)) & 0x7FFFFFFF
     batch = generate(worker.rollout_model, worker.tokenizer, prompts, group_index, params, seed, worker.device)
     record_of = dict(zip(group_index, records))

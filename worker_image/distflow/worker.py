@@ -222,7 +222,8 @@ class DagWorker:
         prompts = render_prompts(self.tokenizer, self.eval_records, self.spec.data.max_prompt_length,
                                  self.spec.data.system_prompt)
         params = SamplingParams(val.n, val.temperature, val.top_p, val.top_k,
-                                self.spec.data.max_response_length, self.spec.rollout.micro_batch_size)
+                                self.spec.data.max_response_length, self.spec.rollout.micro_batch_size,
+                                share_prefill=self.spec.rollout.share_prefill)
         # "Step" -1: apart from every training step's rollout seed (stages.rollout hashes the same tuple).
         seed = hash((self.spec.trainer.seed, -1, self.rollout_dp_rank)) & 0x7FFFFFFF
         batch = generate(self.rollout_model, self.tokenizer, prompts, list(range(len(prompts))),
@@ -252,6 +253,8 @@ class DagWorker:
             with self.metrics.timer(node.id):
                 self.coordinator.ensure(node)
                 STAGES[node.role](self, node)
+            if os.environ.get("DISTFLOW_TRIM_EACH_NODE"):  # TEMP
+                _release_freed_memory()
             _mem_mark(f"step{self.step} after {node.id}")
         batch = self.coordinator.batch
         self.metrics.add_sum("perf/total_num_tokens", float(batch.num_tokens))

@@ -13,10 +13,18 @@ and whose sample fields are ``prompt_len``, ``response_len``, ``group_index``
 
 Sampling is seeded per (seed, step, dp rank), so a run is reproducible on the
 same layout; a different dp size samples different responses.
+
+Generation runs in chunks of whole groups (``micro_batch_size // n`` prompts of
+``n`` samples; a group larger than ``micro_batch_size`` is split over chunks of
+one prompt). With ``SamplingParams.share_prefill`` each chunk's distinct prompts
+are prefilled once, all but their last token, and the KV cache is repeated for
+the group before ``generate`` continues from it (see ``_shared_prefill``).
 """
 
 from __future__ import annotations
 
+import inspect
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -32,6 +40,12 @@ class SamplingParams:
     top_k: int
     max_new_tokens: int
     micro_batch_size: int
+    share_prefill: bool = True
+    """Prefill each prompt once per chunk, not once per sample (``rollout.sharePrefill``).
+    Falls back to the per-sample prefill where the model or transformers does not support it."""
+
+
+log = logging.getLogger(__name__)
 
 
 def render_prompts(tokenizer, records, max_prompt_length: int, system_prompt: str | None = None) -> list[list[int]]:
@@ -80,28 +94,123 @@ def generate(model, tokenizer, prompts: list[list[int]], group_index: list[int],
     pad_id = tokenizer.pad_token_id
     eos = tokenizer.eos_token_id
     eos_ids = set(eos if isinstance(eos, list) else [eos])
-    expanded = [(p, g) for p, g in zip(prompts, group_index) for _ in range(params.n)]
+    kwargs = dict(max_new_tokens=params.max_new_tokens, pad_token_id=pad_id, eos_token_id=list(eos_ids))
+    if params.temperature > 0:
+        kwargs.update(do_sample=True, temperature=params.temperature, top_p=params.top_p,
+                      top_k=params.top_k or None)
+    else:
+        kwargs.update(do_sample=False)
+    share = params.share_prefill and _supports_shared_prefill(model)
     seqs, meta = [], []
-    for start in range(0, len(expanded), params.micro_batch_size):
-        chunk = expanded[start:start + params.micro_batch_size]
-        width = max(len(p) for p, _ in chunk)
-        ids = torch.full((len(chunk), width), pad_id, dtype=torch.long)
-        mask = torch.zeros_like(ids)
-        for i, (p, _) in enumerate(chunk):
-            ids[i, width - len(p):] = torch.tensor(p)
-            mask[i, width - len(p):] = 1
-        kwargs = dict(max_new_tokens=params.max_new_tokens, pad_token_id=pad_id, eos_token_id=list(eos_ids))
-        if params.temperature > 0:
-            kwargs.update(do_sample=True, temperature=params.temperature, top_p=params.top_p,
-                          top_k=params.top_k or None)
-        else:
-            kwargs.update(do_sample=False)
-        out = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), **kwargs).cpu()
-        for i, (p, g) in enumerate(chunk):
-            resp = _trim_response(out[i, width:], eos_ids, pad_id)
-            seqs.append((p, resp))
-            meta.append(g)
+    for chunk in _group_chunks(len(prompts), params.n, params.micro_batch_size):
+        reps = chunk[0][1]  # the same for every prompt of a chunk
+        ids, mask = _left_pad([prompts[i] for i, _ in chunk], pad_id)
+        width = ids.shape[1]
+        cache = _shared_prefill(model, ids, mask, reps, device) if share and reps > 1 and width > 1 else None
+        prefilled = {} if cache is None else {"cache": cache}
+        out = model.generate(input_ids=ids.repeat_interleave(reps, dim=0).to(device),
+                             attention_mask=mask.repeat_interleave(reps, dim=0).to(device),
+                             **prefilled, **kwargs).cpu()
+        for row, (i, _) in enumerate(chunk):
+            for j in range(reps):
+                resp = _trim_response(out[row * reps + j, width:], eos_ids, pad_id)
+                seqs.append((prompts[i], resp))
+                meta.append(group_index[i])
     return _pack(seqs, meta)
+
+
+def _group_chunks(num_prompts: int, n: int, micro_batch_size: int) -> list[list[tuple[int, int]]]:
+    """The generate calls: lists of (prompt index, samples), whole groups of ``n`` where
+    ``n <= micro_batch_size``, else one prompt per chunk with its group split over chunks."""
+    if n <= micro_batch_size:
+        k = micro_batch_size // n
+        return [[(i, n) for i in range(s, min(s + k, num_prompts))] for s in range(0, num_prompts, k)]
+    return [[(i, min(micro_batch_size, n - s))] for i in range(num_prompts) for s in range(0, n, micro_batch_size)]
+
+
+def _left_pad(rows: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(len(p) for p in rows)
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, p in enumerate(rows):
+        ids[i, width - len(p):] = torch.tensor(p, dtype=torch.long)
+        mask[i, width - len(p):] = 1
+    return ids, mask
+
+
+_WARNED: set[str] = set()
+
+
+def _supports_shared_prefill(model) -> bool:
+    """Whether ``generate`` may continue from a cache prefilled by ``_shared_prefill``.
+
+    Checked against transformers 5's generation code (the ``cache`` kwarg, no
+    ``cache_position``): with the full left-padded prompt and mask, ``_prefill``
+    slices the input to the tokens past ``cache.get_seq_length()`` and takes
+    their position ids from the full mask. Other layouts (transformers 4's
+    ``past_key_values``/``cache_position``, custom ``generate`` or input
+    preparation, remote code, encoder-decoders, sliding-window, chunked or
+    linear-attention cache layers, a preset ``cache_implementation``) keep the
+    per-sample prefill.
+    """
+    try:
+        from transformers import DynamicCache, GenerationMixin
+        from transformers.cache_utils import DynamicLayer
+    except ImportError:
+        return _unsupported("transformers has no DynamicCache/DynamicLayer")
+    reason = None
+    config = getattr(model, "config", None)
+    forward = inspect.signature(model.forward).parameters
+    gen_config = getattr(model, "generation_config", None)
+    if config is None or getattr(config, "is_encoder_decoder", False):
+        reason = "not a decoder-only transformers model"
+    elif not {"cache", "position_ids"} <= forward.keys() or "cache_position" in forward:
+        reason = "forward() does not take `cache` and `position_ids` without `cache_position`"
+    elif (type(model).generate is not GenerationMixin.generate
+          or type(model).prepare_inputs_for_generation is not GenerationMixin.prepare_inputs_for_generation):
+        reason = "custom generate() or prepare_inputs_for_generation()"
+    elif getattr(type(model), "is_remote_code", lambda: False)():
+        reason = "remote code model"
+    elif gen_config is not None and getattr(gen_config, "cache_implementation", None) is not None:
+        reason = f"generation_config.cache_implementation={gen_config.cache_implementation!r}"
+    elif not hasattr(DynamicCache, "batch_repeat_interleave"):
+        reason = "DynamicCache has no batch_repeat_interleave"
+    else:
+        layers = getattr(_new_cache(model), "layers", None)
+        if not layers or any(type(layer) is not DynamicLayer for layer in layers):
+            reason = "the KV cache is not plain full attention (sliding window, chunked, linear or shared layers)"
+    return True if reason is None else _unsupported(reason)
+
+
+def _unsupported(reason: str) -> bool:
+    if reason not in _WARNED:
+        _WARNED.add(reason)
+        log.warning("rollout.sharePrefill: %s; each sample prefills its own prompt", reason)
+    return False
+
+
+def _new_cache(model):
+    from transformers import DynamicCache
+
+    return DynamicCache(config=model.config.get_text_config(decoder=True))
+
+
+def _shared_prefill(model, ids: torch.Tensor, mask: torch.Tensor, reps: int, device: torch.device):
+    """The KV cache of all but the last token of each left-padded prompt, repeated ``reps`` times.
+
+    Position ids follow the mask, as ``generate`` computes them for the full prompt
+    (pads at 0). ``generate`` then runs only the last prompt token on top of it.
+    """
+    cache = _new_cache(model)
+    prefix = mask[:, :-1]
+    kw = {"logits_to_keep": 1} if getattr(model, "_supports_logits_to_keep", lambda: False)() else {}
+    model(input_ids=ids[:, :-1].to(device), attention_mask=prefix.to(device),
+          position_ids=(prefix.cumsum(-1) - 1).clamp(min=0).to(device), cache=cache, use_cache=True, **kw)
+    if cache.get_seq_length() != ids.shape[1] - 1:
+        raise RuntimeError(f"shared prefill: the cache holds {cache.get_seq_length()} tokens, "
+                           f"expected {ids.shape[1] - 1}")
+    cache.batch_repeat_interleave(reps)
+    return cache
 
 
 def _pack(seqs: list[tuple[list[int], list[int]]], groups: list[int]) -> PackedBatch:
