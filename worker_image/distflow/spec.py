@@ -241,7 +241,8 @@ class ActorSpec(_Spec):
     """Run each prompt once per micro-batch in the actor update and the old and reference
     log-prob passes: responses of one prompt share a row [prompt, r_1, ..., r_k] whose attention
     mask keeps them apart (Prefix Grouper, arXiv 2506.05433). Same log-probs and gradients up to
-    float rounding, fewer tokens; needs sdpa or eager attention."""
+    float rounding, fewer tokens. Models with other attention (flash attention takes no 4-D mask) or
+    an older transformers run the per-sample path."""
 
 
 class CriticSpec(_Spec):

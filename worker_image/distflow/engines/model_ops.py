@@ -114,7 +114,9 @@ def collate(batch: PackedBatch, pad_token_id: int, share_prompt_prefix: bool = F
     position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
     resp_full = batch.to_padded("response_mask", pad_value=0, max_len=width, left_pad=True)
     window = max(1, int(batch.sample_fields["response_len"].max()))
-    rows = share_prompts(batch, pad_token_id, window) if share_prompt_prefix else None
+    # Older transformers (no boolean logits_to_keep) run the per-sample path: same results, more FLOPs.
+    shared = share_prompt_prefix and _logits_to_keep_takes_a_mask()
+    rows = share_prompts(batch, pad_token_id, window) if shared else None
     return MicroBatch(input_ids, attention_mask, position_ids,
                       resp_full[:, -window:].float(), batch, rows)
 
@@ -207,7 +209,7 @@ def forward_log_probs(model, mb: MicroBatch, temperature: float, with_entropy: b
         (log_probs [b, R] float32, entropy [b, R] float32 or None). Positions
         outside the response mask hold garbage; callers mask them.
     """
-    if mb.prefix_rows is not None:
+    if mb.prefix_rows is not None and model.config._attn_implementation in _MASKABLE_ATTENTION:
         return _shared_prompt_forward(model, mb, temperature, with_entropy, mixed_precision)
     device = next(model.parameters()).device
     with autocast(mixed_precision, device):
@@ -272,6 +274,11 @@ def _logits_to_keep_takes_a_mask() -> bool:
 
     slice_fn = getattr(modeling_utils, "slice_logits_to_keep", None)
     return slice_fn is not None and slice_fn(torch.zeros(1, 2, 1), torch.tensor([[True, False]])).shape == (1, 1)
+
+
+_MASKABLE_ATTENTION = ("sdpa", "eager")
+"""Attention implementations that take a 4-D mask as is; others (flash attention)
+run the per-sample path."""
 
 
 def _attention_mask(model, allowed: torch.Tensor) -> torch.Tensor:
