@@ -13,12 +13,11 @@ For dp in 2..64 and 4 / 16 / 64 samples per rank (equal counts, as the
 runtime balances), each partitioner's max rank load is divided by the mean
 load and by the bound max(mean load, longest item); the runtime's stronger
 ``lower_bound`` (pigeonhole and equal-count terms) is reported too.
-``lpt`` is the runtime's ``balance_partition`` (the vectorised equal-counts
-refinement ported from ``plan_prototype``); ``prototype`` is that bench-local
-prototype, kept as a comparison. Planning time is measured for 4,096 samples
-over 64 ranks (every partitioner, and the coordinator's per-edge plan) and,
-for the scaling model, the coordinator's plan at 16 samples per rank from 32
-to 1,024 ranks.
+``lpt`` is the runtime's ``balance_partition`` (what the coordinator runs),
+``lpt_plain`` the same without its swap refinement. Planning time is
+measured for 4,096 samples over 64 ranks (every partitioner, and the
+coordinator's per-edge plan) and, for the scaling model, the coordinator's
+per-edge plan at 16 samples per rank from 32 to 1,024 ranks.
 """
 
 from __future__ import annotations
@@ -78,14 +77,11 @@ def draw(dataset: str, pool: list[int], count: int, seed: int) -> list[float]:
 def partitioners() -> dict:
     from distflow.data.balance import balance_partition, contiguous_partition, karmarkar_karp_partition
 
-    from tests.bench.plan_prototype import fast_balance_partition
-
     return {
         "lpt": balance_partition,
         "lpt_plain": lambda c, k, e=True: balance_partition(c, k, e, refine=False),
         "karmarkar_karp": karmarkar_karp_partition,
         "contiguous": contiguous_partition,
-        "prototype": fast_balance_partition,
     }
 
 
@@ -135,59 +131,39 @@ def _coordinator_plans() -> dict:
     """name -> f(costs, k, per_rank): what every rank computes for one balanced edge before
     moving data: the target layout, its part of the plan, and the byte sizes of its all_to_all.
 
-    ``runtime`` is what the coordinator and ``exchange`` run (rank 0's part:
-    ``plan_for_rank`` and the exchange's per-rank sizes, O(B + N));
-    ``prototype`` and ``prototype_rank_plan`` swap in ``plan_prototype``'s
-    balancer and matching (and, for the latter, its wire plan) as a comparison.
+    ``runtime`` is what the coordinator and ``exchange`` run on rank 0:
+    ``balanced_assignment`` (balancer + bin-to-rank matching), ``plan_for_rank``
+    (this rank's send row and receive column) and ``exchange._rank_wire_sizes``.
+    The metadata all-gathers before it are measured by the funnel.
     """
     from distflow.data import exchange
     from distflow.data.redistribute import balanced_assignment, plan_for_rank
 
-    from tests.bench.funnel import BYTES_PER_TOKEN, make_batch
-    from tests.bench.plan_prototype import rank_wire_plan, sparse_balanced_assignment
+    from tests.bench.funnel import make_batch
 
     schema = make_batch([1], 0).field_schema()
 
-    def bookkeeping(held, target, costs):
-        plan = plan_for_rank(held, target, 0)
+    def runtime(costs, k, per):
+        held = _holdings(k, per)
+        plan = plan_for_rank(held, balanced_assignment(held, costs), 0)
         lengths = [[int(costs[g]) for g in ids] for ids in held]
         exchange._rank_wire_sizes(plan, schema, lengths, None)
 
-    def runtime(costs, k, per):
-        held = _holdings(k, per)
-        bookkeeping(held, balanced_assignment(held, costs), costs)
-
-    def prototype(costs, k, per):
-        held = _holdings(k, per)
-        bookkeeping(held, sparse_balanced_assignment(held, costs), costs)
-
-    def prototype_rank_plan(costs, k, per):
-        held = _holdings(k, per)
-        rank_wire_plan(held, sparse_balanced_assignment(held, costs), [int(c) for c in costs], 0,
-                       BYTES_PER_TOKEN, 28)
-
-    return {"runtime": runtime, "prototype": prototype, "prototype_rank_plan": prototype_rank_plan}
+    return {"runtime": runtime}
 
 
 def _holdings(k: int, per: int) -> list[list[int]]:
     return [list(range(r * per, (r + 1) * per)) for r in range(k)]
 
 
-def plan_scaling(per_rank: int = 16, rank_counts=(32, 64, 128, 256, 512, 1024),
-                 runtime_max_ranks: int = 1024) -> list[dict]:
-    """Per-edge planning seconds vs ranks on long-tailed lengths (weak scaling: 16 per rank).
-
-    The runtime's planning is measured up to ``runtime_max_ranks`` (the former
-    O(N^2) planning took minutes beyond 512); one run each from 256 ranks up,
-    the median of 3 below.
-    """
+def plan_scaling(per_rank: int = 16, rank_counts=(32, 64, 128, 256, 512, 1024)) -> list[dict]:
+    """Per-edge planning seconds vs ranks on long-tailed lengths (weak scaling: 16 per rank);
+    one run each from 256 ranks up, the median of 3 below."""
     rows = []
     for k in rank_counts:
         costs = draw("long_tail", (), k * per_rank, 11)
         row = {"num_ranks": k, "num_samples": k * per_rank}
         for name, plan in _coordinator_plans().items():
-            if name == "runtime" and k > runtime_max_ranks:
-                continue
             row[name] = _median_time(functools.partial(plan, costs, k, per_rank), 3 if k < 256 else 1)
         rows.append(row)
     return rows

@@ -7,8 +7,18 @@ response length, sampling (temperature 1, top-p 1, no top-k), learning rate,
 one optimizer step per batch, no KL term / reference model, no gradient
 checkpointing, and the same CPU threads in total:
 
-- distflow: ``distflow run`` with 2 local workers x 1 thread (gloo, FSDP2);
-- TRL: one process x 2 threads (its documented single-process CPU setup).
+- distflow: ``distflow run`` with 2 local workers x 1 thread (gloo, FSDP2),
+  with its defaults ``rollout.sharePrefill`` (each prompt prefilled once for
+  its group, the KV cache repeated for the n samples) and
+  ``actor.sharePromptPrefix`` (log-prob and training forwards run each
+  prompt once per micro-batch: one row [prompt, r_1..r_k] with a 4-D mask,
+  Prefix Grouper, arXiv 2506.05433), recorded in the settings;
+- TRL: one process x 2 threads (its documented single-process CPU setup),
+  which processes each prompt once per sample (n times per group).
+
+Both compute the same losses on the same tokens (up to float rounding);
+distflow skips recomputing the shared prompt. Throughput counts every
+sample's prompt + response tokens on both sides, shared or not.
 
 Each is started in its own process; runs alternate (distflow, TRL, TRL,
 distflow, ...). Throughput is verl's numerator, prompt + response tokens of
@@ -28,7 +38,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from tests.bench._common import REPO_ROOT, median
@@ -47,6 +57,10 @@ class Settings:
     workers: int = 2
     lr: float = 1e-6
     seed: int = 0
+    share_prefill: bool = True
+    """distflow only: ``rollout.sharePrefill``."""
+    share_prompt_prefix: bool = True
+    """distflow only: ``actor.sharePromptPrefix``."""
 
 
 def _python() -> str:
@@ -68,9 +82,9 @@ def distflow_spec(s: Settings, log_dir: str) -> dict:
                  "maxPromptLength": s.max_prompt_length, "maxResponseLength": s.max_response_length,
                  "shuffle": False, "rewardFn": "gsm8k"},
         "rollout": {"n": s.group_size, "temperature": 1.0, "topP": 1.0, "topK": 0,
-                    "microBatchSize": s.prompts_per_step * s.group_size},
+                    "microBatchSize": s.prompts_per_step * s.group_size, "sharePrefill": s.share_prefill},
         "algorithm": {"advantageEstimator": "grpo", "useKlLoss": False, "lossAggMode": "token-mean"},
-        "actor": {"lr": s.lr, "microBatchSize": s.micro_batch_size},
+        "actor": {"lr": s.lr, "microBatchSize": s.micro_batch_size, "sharePromptPrefix": s.share_prompt_prefix},
         "cluster": {"numNodes": s.workers, "procsPerNode": 1, "device": "cpu"},
         "trainer": {"totalSteps": s.steps, "seed": s.seed, "logDir": log_dir,
                     "numThreads": max(1, s.threads // s.workers)},
@@ -180,9 +194,13 @@ class StepTimes:
                 "response_length": self.lengths}
 
 
-def run(settings: Settings = Settings(), rounds: int = 2, timeout_s: float = 1200.0) -> dict:
+def run(settings: Settings = Settings(), rounds: int = 2, timeout_s: float = 1200.0,
+        single_worker_check: bool = True) -> dict:
     """Alternate distflow and TRL ``rounds`` times each; pooled per-step medians.
 
+    With ``single_worker_check``, one more distflow run with 1 worker x all
+    threads (no FSDP collectives, no second process) separates what the
+    data-parallel split costs from what the runtime's single-process path costs.
     A run that fails or times out is recorded with its error and left out;
     the comparison needs at least one finished run of each.
 
@@ -199,7 +217,14 @@ def run(settings: Settings = Settings(), rounds: int = 2, timeout_s: float = 120
                     runs[name].append(fn(settings, Path(tmp), f"{name}{k}", timeout_s))
                 except (RuntimeError, subprocess.TimeoutExpired) as err:
                     runs[name].append({"error": f"{type(err).__name__}: {str(err)[-400:]}"})
-    summary = {name: _summarize([r for r in items if "error" not in r], items) for name, items in runs.items()}
+        if single_worker_check:
+            one = replace(settings, workers=1)
+            try:
+                runs["distflow_1_worker"] = [run_distflow(one, Path(tmp), "single", timeout_s)]
+            except (RuntimeError, subprocess.TimeoutExpired) as err:
+                runs["distflow_1_worker"] = [{"error": f"{type(err).__name__}: {str(err)[-400:]}"}]
+    summary = {name: _summarize([r for r in items if "error" not in r], items) for name, items in runs.items()
+               if name != "distflow_1_worker" or "error" not in items[0]}
     speedup = summary["distflow"]["median_tokens_per_s"] / summary["trl"]["median_tokens_per_s"]
     return {"settings": asdict(settings), "rounds": rounds, "runs": runs, "summary": summary,
             "speedup": speedup, "trl_version": _version("trl")}

@@ -6,10 +6,11 @@ generated (rollout layout) and the samples must end in the token-balanced
 train layout. Four ways to do it, alternated in one run:
 
 - ``distflow``: what the data coordinator does: all-gather the lengths,
-  balance (constrained LPT + refinement), plan, ``exchange`` (one packed
-  ``all_to_all_single``).
-- ``centralized``: the same planning, then ``exchange_centralized`` (every
-  batch to rank 0, rank 0 rebuilds and sends each rank its part).
+  balance (``balanced_assignment``), build this rank's part of the plan
+  (``plan_for_rank``), ``exchange`` (one packed ``all_to_all_single``).
+- ``centralized``: the same balancing and the whole plan (the root rebuilds
+  every rank's batch), then ``exchange_centralized`` (every batch to rank 0,
+  rank 0 rebuilds and sends each rank its part).
 - ``bare_all_to_all``: the floor for ``distflow``: one ``all_to_all_single``
   of raw bytes with exactly the same byte matrix, no packing or planning.
 - ``bare_gather_scatter``: the floor for ``centralized``: raw bytes to rank
@@ -66,11 +67,14 @@ def make_batch(lengths: list[int], rank: int):
     return PackedBatch(torch.tensor(lengths, dtype=torch.int64), tokens, samples)
 
 
-def _plan_edge(batch):
-    """What the coordinator does before moving: gather lengths, balance, plan."""
+def _plan_edge(batch, rank_plan: bool = False):
+    """What the coordinator does before moving: gather lengths, balance, plan: this rank's
+    part with ``rank_plan`` (the distributed coordinator), else the whole plan (centralized)."""
+    import torch.distributed as dist
+
     from distflow.data.balance import sample_cost
     from distflow.data.exchange import allgather_lengths
-    from distflow.data.redistribute import balanced_assignment, plan_redistribution
+    from distflow.data.redistribute import balanced_assignment, plan_for_rank, plan_redistribution
 
     lengths = allgather_lengths(batch.seq_lens)
     holdings, offset = [], 0
@@ -79,6 +83,8 @@ def _plan_edge(batch):
         offset += lens.numel()
     flat = torch.cat(lengths).tolist()
     target = balanced_assignment(holdings, [sample_cost(n) for n in flat])
+    if rank_plan:
+        return lengths, plan_for_rank(holdings, target, dist.get_rank())
     return lengths, plan_redistribution(holdings, target)
 
 
@@ -138,9 +144,9 @@ def _run_variant(name, batch, ctx):
     if name in ("distflow", "centralized", "distflow_exchange", "centralized_exchange"):
         counters = TransferCounters()
         if name.endswith("_exchange"):
-            lengths, plan = ctx["lengths"], ctx["plan"]
+            lengths, plan = ctx["lengths"], ctx["rank_plan" if name.startswith("distflow") else "plan"]
         else:
-            lengths, plan = _plan_edge(batch)
+            lengths, plan = _plan_edge(batch, rank_plan=name == "distflow")
         run = exchange if name.startswith("distflow") else exchange_centralized
         result = run(batch, plan, None, counters, "advantage->actor", all_lengths=lengths)
     elif name == "bare_all_to_all":
@@ -175,6 +181,7 @@ def _measure_length(nominal: int, samples_per_rank: int, repeats: int) -> dict:
     lengths, plan = _plan_edge(batch)
     wire, inbound, outbound = _byte_matrices(batch, plan, lengths)
     ctx = {"wire": wire, "inbound": inbound, "outbound": outbound, "lengths": lengths, "plan": plan,
+           "rank_plan": plan.for_rank(rank),
            "send": torch.zeros(max(sum(wire[rank]), inbound[rank], 1), dtype=torch.uint8)}
     times = {v: [] for v in VARIANTS}
     bytes_through = _bare_bytes(ctx, rank)
@@ -214,14 +221,15 @@ def _measure_length(nominal: int, samples_per_rank: int, repeats: int) -> dict:
 
 
 def _time_planning(batch, repeats: int = 5) -> float:
-    """Median slowest-rank time of gather lengths + balance + plan alone (no data moves)."""
+    """Median slowest-rank time of gather lengths + balance + this rank's plan (the distributed
+    coordinator's planning) alone, no data moves."""
     import torch.distributed as dist
 
     times = []
     for _ in range(repeats):
         dist.barrier()
         start = time.perf_counter()
-        _plan_edge(batch)
+        _plan_edge(batch, rank_plan=True)
         times.append(max_over_ranks(time.perf_counter() - start))
     return median(times)
 
@@ -294,7 +302,7 @@ def exchange_phases(batch, ctx, repeats: int = 5) -> dict[str, float]:
             spent.clear()
             dist.barrier()
             start = time.perf_counter()
-            xchg.exchange(batch, ctx["plan"], all_lengths=ctx["lengths"])
+            xchg.exchange(batch, ctx["rank_plan"], all_lengths=ctx["lengths"])
             runs.append({**spent, "total": time.perf_counter() - start})
     finally:
         for (mod, name), fn in originals.items():

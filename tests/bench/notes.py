@@ -1,11 +1,76 @@
-"""The prose of docs/benchmarks.md and its targets table (numbers come from the results)."""
+"""The prose of docs/benchmarks.md and its targets table.
+
+Every number in the prose comes from the saved results, so the text stays
+true when a section is re-run; what cannot be computed is phrased without
+numbers. Each ``*_text(results)`` returns one section's prose (description,
+then a reading of its results when they are there).
+"""
 
 from __future__ import annotations
 
-from tests.bench import render
-from tests.bench._common import md_table
+import re
+import textwrap
 
-INTRO = """
+from tests.bench import render
+from tests.bench._common import fmt_bytes, md_table
+
+
+def _get(results: dict, name: str) -> dict:
+    return results.get(name, {}).get("result", {})
+
+
+_BLOCK_START = re.compile(r"([-+*#>|]|\d+[.)])(\s|$)")
+_WORDS = {1: "One", 2: "Two", 3: "Three", 4: "Four", 5: "Five", 6: "Six"}
+
+
+def _para(text: str, width: int = 76, first: str = "", indent: str = "") -> str:
+    """``text`` wrapped to ``width`` columns (``first`` before the first line, ``indent``
+    before the others), never starting a line with what markdown would read as a list,
+    heading, quote or table (such a line stays on the one before)."""
+    lines: list[str] = []
+    for line in textwrap.wrap(" ".join(text.split()), width, initial_indent=first, subsequent_indent=indent,
+                              break_long_words=False, break_on_hyphens=False):
+        if lines and _BLOCK_START.match(line.strip()):
+            lines[-1] += " " + line.strip()
+        else:
+            lines.append(line)
+    return "\n".join(lines)
+
+
+def _fmt_seconds(seconds: float) -> str:
+    return f"{seconds:.2f} s" if seconds >= 1 else f"{seconds * 1e3:.0f} ms" if seconds >= 0.01 \
+        else f"{seconds * 1e3:.1f} ms"
+
+
+def _fmt_range(values, fmt: str = "{:.1f}", unit: str = "") -> str:
+    lo, hi = min(values), max(values)
+    return (fmt.format(lo) if fmt.format(lo) == fmt.format(hi) else f"{fmt.format(lo)}-{fmt.format(hi)}") + unit
+
+
+def _machine_text(results: dict) -> str:
+    entries = [e for e in results.values() if isinstance(e, dict) and "machine" in e]
+    if not entries:
+        return "Machine: recorded with each section once it has run."
+    machines = sorted({(e["machine"]["cores"], e["machine"]["memory_gib"], bool(e["machine"].get("cuda")))
+                       for e in entries})
+    described = "; ".join(f"{c} CPU cores, {m} GiB, {'a' if gpu else 'no'} GPU" for c, m, gpu in machines)
+    cores = min(c for c, _, _ in machines)
+    loads = [e[k] for e in entries for k in ("load_before", "load_after") if k in e]
+    load = (f" Each section's header gives the 1-minute load average before and after it; over the "
+            f"sections below they range from {min(loads):g} to {max(loads):g} on {cores} cores, so "
+            "other work may have shared the machine, and every comparison is made within one run."
+            if loads else "")
+    oversub = (f" N gloo ranks are N processes on these {cores} cores, so N = 8 "
+               f"{'oversubscribes them ' + format(8 / cores, 'g') + 'x' if cores < 8 else 'fills them'}: the "
+               "funnel compares *wire, copy and bookkeeping time through loopback TCP* of the two data planes, "
+               "not cluster speed.")
+    return _para(f"Machine (as recorded with each section): {described}.{load}{oversub} Every comparison "
+                 "alternates its variants in one run and reports medians (and, for the funnel, the best of the "
+                 "repeats too).")
+
+
+def intro(results: dict, command: str) -> str:
+    return f"""
 # Benchmarks
 
 What DistFlow (arXiv 2507.13833) claims, measured on this machine side by
@@ -21,227 +86,331 @@ Benchmarks are not part of the default test run; `pytest -m bench
 tests/bench` runs reduced versions with the targets as assertions (targets
 missed today are marked xfail with the measured reason).
 
-Machine: 2 CPU cores, 24 GiB, no GPU, **shared with other sessions' test
-runs while these numbers were taken**: load averages of 5 to 30 on 2 cores
-(given per section), memory at times exhausted. N gloo ranks are N
-processes on these 2 cores, so N = 8 oversubscribes them at least 4x: the
-funnel compares *wire, copy and bookkeeping time through loopback TCP* of
-the two data planes, not cluster speed. Every comparison alternates its
-variants in one run and reports medians (and, for the funnel, the best of
-the repeats too).
+{_machine_text(results)}
 """
+
 
 FUNNEL = """
 One GRPO edge (advantage -> actor, the edge the planner redistributes): each
-rank holds 16 samples it generated, with the actor's fields (input_ids int64,
-response_mask int8, old/ref log-probs and advantages float32: 21 bytes per
-token, plus 4 per-sample fields), lengths uniform in [L/2, 3L/2]; the samples
-must end in the token-balanced train layout. *distflow* = all-gather lengths
-+ balance + plan + `exchange` (one packed `all_to_all_single`);
-*centralized* = the same planning + `exchange_centralized` (everything to
-rank 0 and back, as a single controller does); *exchange only* = the two
-exchange functions with the plan precomputed; *bare* = raw
-`all_to_all_single` vs raw send-to-0-and-back of exactly the same byte
-counts, no packing, no metadata: the floor each data plane can reach. Bytes
-are the product's own counters (sent + received by the busiest rank); time
-is the slowest rank's, median of 7 alternated repeats. Both planes return
-bit-identical batches (checked every time: last column).
-
-Reading it: the byte target holds everywhere (the busiest distflow rank
-moves about 1/N of what rank 0 moves when centralized, because a balanced
-plan keeps what it can in place). The 5x time target does not: on these two
-shared cores even the bare collectives differ by only 1.3-3x at N = 8 (not
-the 6-10x quoted in the issue; root-side `irecv`/`isend` of all peers at
-once is a fast gather-then-scatter), and the distflow edge pays, on every
-rank, three metadata all-gathers (each costs milliseconds when 8 processes
-share 2 cores) and the replicated balancer, which the centralized variant
-pays as well, so the ratio shrinks toward 1 at short lengths. The exchange
-breakdown under the table says where one `exchange` spends its time;
-"What the runtime should change" lists the fixes (items 3 to 5).
+rank holds {per} samples it generated, with the actor's fields (input_ids
+int64, response_mask int8, old/ref log-probs and advantages float32: 21
+bytes per token, plus 4 per-sample fields), lengths uniform in [L/2, 3L/2];
+the samples must end in the token-balanced train layout. *distflow* =
+all-gather lengths, balance, build this rank's part of the plan
+(`plan_for_rank`), `exchange` (one packed `all_to_all_single`), as the data
+coordinator does; *centralized* = the same balancing, the whole plan,
+`exchange_centralized` (everything to rank 0 and back, as a single
+controller does); *exchange only* = the two exchange functions with the plan
+precomputed; *bare* = raw `all_to_all_single` vs raw send-to-0-and-back of
+exactly the same byte counts, no packing, no metadata: the floor each data
+plane can reach. Bytes are the product's own counters (sent + received by
+the busiest rank); time is the slowest rank's, median of {repeats}
+alternated repeats. Both planes return bit-identical batches (checked every
+time: last column).
 """
+
+
+def _metadata_gathers(funnel: dict) -> int | None:
+    if "rows" not in funnel:
+        return None
+    messages = funnel["rows"][-1]["messages_rank0"]["distflow"]
+    return messages.get("all_gather", 0) + messages.get("all_gather_object", 0)
+
+
+def funnel_text(results: dict) -> str:
+    funnel = _get(results, "funnel")
+    text = FUNNEL.format(per=funnel.get("samples_per_rank", 16), repeats=funnel.get("repeats", 7))
+    if "rows" not in funnel:
+        return text
+    fr = render.funnel_rows(funnel)
+    worst = max(fr, key=lambda r: r["bytes_ratio"] / r["bytes_target"])
+    held = all(r["bytes_ratio"] <= r["bytes_target"] for r in fr)
+    at8 = [r for r in fr if r["N"] == max(x["N"] for x in fr)]
+    n8 = at8[0]["N"]
+    s = render.speedup_at(funnel, 8, 16384)
+    last = funnel["rows"][-1]
+    gathers = _metadata_gathers(funnel)
+    reading = (
+        f"Reading it: the byte target {'holds everywhere' if held else '**is missed**'} (worst: the busiest "
+        f"distflow rank moves {worst['bytes_ratio']:.3f} of what rank 0 moves when centralized, target "
+        f"{worst['bytes_target']:.3f}, at N = {worst['N']}, L = {worst['L']}): a balanced plan keeps what it "
+        f"can in place. At N = {n8} the bare gather-scatter takes "
+        f"{_fmt_range([r['speedup_bare'] for r in at8], '{:.1f}', 'x')} the time of the bare all-to-all on "
+        "this machine (root-side `irecv`/`isend` of all peers at once is a fast gather-then-scatter), which "
+        "bounds what either data plane can show here")
+    if s is not None:
+        reading += f"; the whole edge is {s:.2f}x faster distributed at N = 8, 16k tokens (target 5x)"
+    reading += (
+        f". Both planes pay, on every rank, {_WORDS.get(gathers, gathers).lower()} metadata "
+        f"all-gather{'s' if gathers != 1 else ''} "
+        f"({last['allgather_seconds'] * 1e3:.1f} ms each at N = {last['world_size']} here) and the "
+        f"planning ({_fmt_range([r['planning'] * 1e3 for r in fr], '{:.1f}', ' ms')}), so the ratio shrinks "
+        "toward 1 at short lengths. The exchange breakdown under the table says where one `exchange` spends "
+        "its time; \"What the runtime should change\" lists the open fixes.")
+    return text + "\n" + _para(reading)
+
 
 BALANCER = """
-Partitioners of `distflow.data.balance` on sequence lengths (cost = tokens):
-`lpt` is the runtime default (constrained LPT + 2-opt refinement, also from
-a Karmarkar-Karp start), `lpt_plain` without refinement, `karmarkar_karp`,
-`contiguous` (no balancing), and `prototype`, a bench-local faster balancer
-(`tests/bench/plan_prototype.py`, proposed for the runtime below). Every
-rank gets the same number of samples (the runtime's equal counts). The
-bound is max(mean load, longest item); the runtime's `lower_bound` adds the
-pigeonhole and equal-count terms ("strong bound"): with 4 samples per rank a
-single long sample often sets the max load, so max/mean is large for every
-method while max/bound shows what is achievable.
+Partitioners of `distflow.data.balance` on sequence lengths (cost =
+tokens): `lpt` is the runtime's `balance_partition`, what the coordinator
+runs (LPT by rounds as a start, pairwise heavy/light swap rounds, then 2-opt
+on the most loaded rank; exact up to 512 samples, stopping within 0.1% of
+`lower_bound` above; at <= 8 samples per rank also from the plain LPT and
+Karmarkar-Karp starts, keeping the best); `lpt_plain` is the constrained
+LPT without refinement, then `karmarkar_karp` and `contiguous` (no
+balancing). Every rank gets the same number of samples (the runtime's equal
+counts). The bound is max(mean load, longest item); the runtime's
+`lower_bound` adds the pigeonhole and equal-count terms ("strong bound"):
+with 4 samples per rank a single long sample often sets the max load, so
+max/mean is large for every method while max/bound shows what is
+achievable.
 
-Quality targets are met by the runtime's `lpt`; its planning time is not
-(tens to hundreds of ms for 4,096 samples over 64 ranks on this loaded
-machine, seconds at 512 ranks), while the prototype reaches the same quality
-targets in a few ms. The per-edge planning table is what every rank runs
-before each balanced move; it feeds the scaling projection.
+With `actor.sharePromptPrefix` (on by default) the coordinator runs the same
+`balanced_assignment` over whole prompt groups (a group costs its prompt
+once plus its responses) so that a group stays on one rank; it balances
+single samples, as measured here, when the groups do not divide evenly over
+the ranks. The per-edge planning tables are what every rank runs before each
+balanced move (`balanced_assignment` + `plan_for_rank` + the exchange's
+per-rank wire sizes); they feed the scaling projection.
 """
+
+
+def balancer_text(results: dict) -> str:
+    balancer = _get(results, "balancer")
+    if "rows" not in balancer:
+        return BALANCER
+    rows = [r for r in balancer["rows"] if r["method"] == "lpt"]
+    dense = max(r["vs_bound_worst"] for r in rows if r["per_rank"] >= 16)
+    plan = balancer["planning"]
+    lpt_ms = [t["lpt"] * 1e3 for t in plan["seconds"].values()]
+    edge_ms = [t["coordinator_plan_runtime"] * 1e3 for t in plan["seconds"].values()
+               if "coordinator_plan_runtime" in t]
+    scale = [r for r in balancer["plan_scaling"] if "runtime" in r]
+    reading = (f"Reading it: `lpt` is within {dense - 1:.2%} of max(mean, longest) at >= 16 samples per rank "
+               f"(worst over seeds). For {plan['num_samples']} samples over {plan['num_ranks']} ranks it takes "
+               f"{_fmt_range(lpt_ms)} ms (target 10 ms)")
+    if edge_ms:
+        reading += f", the whole per-edge plan {_fmt_range(edge_ms)} ms"
+    if scale:
+        big = scale[-1]
+        reading += f"; at {big['num_ranks']} ranks the per-edge plan takes {_fmt_seconds(big['runtime'])}"
+    return BALANCER + "\n" + _para(reading + ".")
+
 
 DOUBLE_BUFFER = """
 `DoubleBuffer.swap()` at a step boundary with the retiring generation
 holding S bytes (16 tensors, pages touched), against dropping the same bytes
 on the caller's thread. Run in a fresh process with a fixed mmap threshold
 (128 KiB) so freed buffers go back to the OS at once; at 1 MiB the 64 KiB
-tensors live in the heap and are not returned (RSS returned 0), as expected.
-The swap stays at microseconds from 1 MiB to 1 GiB; freeing 1 GiB costs
-about 0.1 s, which the background thread pays instead of the step.
+tensors live in the heap and are not returned to the OS (RSS returned 0), as
+expected.
 """
+
+
+def double_buffer_text(results: dict) -> str:
+    dbuf = _get(results, "double_buffer")
+    if "rows" not in dbuf:
+        return DOUBLE_BUFFER
+    rows = dbuf["rows"]
+    big = rows[-1]
+    return DOUBLE_BUFFER + "\n" + _para(
+        f"Reading it: the swap takes {_fmt_range([r['swap_seconds'] * 1e6 for r in rows], '{:.0f}', ' us')} "
+        f"from {fmt_bytes(rows[0]['bytes'])} to {fmt_bytes(big['bytes'])}; freeing "
+        f"{fmt_bytes(big['bytes'])} inline costs {big['inline_free_seconds'] * 1e3:.0f} ms, which the "
+        "background thread pays instead of the step.")
+
 
 SCALING = """
 Weak scaling from 32 GPUs: every GPU keeps 16 samples per step, so compute
 per GPU is constant and only what grows with N costs efficiency: metadata
-all-gathers (log N latency, N x 8 bytes per sample), planning (measured:
-runs on every rank, grows with the global batch), imbalance (measured at 16
-samples per rank), FSDP collective latency, and, for the centralized plane,
-every byte through one controller. Planning above the largest measured size
-is extrapolated (power law through the last two points); imbalance above dp
-64 is held at its dp-64 value. The projection is computed three times, for
-the runtime's planning as it is and for the two prototype variants, because
-planning is what decides the answer: with the runtime's O(N^2) planning the
-distributed plane loses most of its efficiency between 256 and 1,024 GPUs;
-with the prototype balancer and per-rank wire plan it stays above 97%.
+all-gathers (log N latency, N x 8 bytes per sample), per-edge planning
+(measured: runs on every rank, grows with the global batch), imbalance
+(measured at 16 samples per rank), FSDP collective latency, and, for the
+centralized plane, every byte through one controller. Planning above the
+largest measured size is extrapolated (power law through the last two
+points); imbalance above dp 64 is held at its dp-64 value.
 
 The paper reports 90-94% efficiency and up to 2.63x over verl. Here the
 centralized plane is charged only transport (its link, two host copies per
 byte, per-worker dispatch) and the same planning; verl's driver also pays
 Ray object-store serialisation and driver-side work, so the projected
-speedups over it (1.0-1.4x) are a lower bound on what the paper measures.
+speedups over it are a lower bound on what the paper measures.
 """
 
-E2E = """
+
+def scaling_text(results: dict, tables: dict) -> str:
+    rows = tables.get("runtime")
+    if not rows:
+        return SCALING
+    counts = sorted({r["num_gpus"] for r in rows})
+    parts = []
+    for n in (512, counts[-1]):
+        dist = [r for r in rows if r["mode"] == "distributed" and r["num_gpus"] == n]
+        if dist:
+            worst = min(dist, key=lambda r: r["efficiency"])
+            parts.append(f"{worst['efficiency']:.1%} at {n} GPUs ({worst['workload']})")
+    speedups = []
+    for r in rows:
+        if r["mode"] == "distributed" and r["num_gpus"] == 512:
+            cent = next(c for c in rows if (c["mode"], c["workload"], c["num_gpus"])
+                        == ("centralized", r["workload"], 512))
+            speedups.append(cent["step_seconds"] / r["step_seconds"])
+    reading = ("Reading it: the distributed plane's worst projected efficiency is " + ", ".join(dict.fromkeys(parts))
+               + (f"; the projected speedup over the centralized plane at 512 GPUs is "
+                  f"{_fmt_range(speedups, '{:.2f}', 'x')}." if speedups else "."))
+    return SCALING + "\n" + _para(reading)
+
+
+def e2e_text(results: dict) -> str:
+    e2e = _get(results, "e2e")
+    settings = e2e.get("settings", {})
+    features = (("`rollout.sharePrefill`", settings.get("share_prefill"),
+                 "rollout prefills each prompt once for its group and repeats its KV cache for the n samples"),
+                ("`actor.sharePromptPrefix`", settings.get("share_prompt_prefix"),
+                 "the log-prob and training forwards run each prompt once per micro-batch, one row "
+                 "[prompt, r_1, ..., r_k] with a 4-D attention mask that keeps the responses apart (Prefix "
+                 "Grouper, arXiv 2506.05433), and the balancer keeps each prompt group on one rank so that "
+                 "its prompt is shared"))
+    if settings and all(flag is None for _, flag, _ in features):
+        sharing = ("This run was recorded before distflow shared prompt prefixes: its step processed every "
+                   "prompt once per sample, as TRL does. Since then `rollout.sharePrefill` and "
+                   "`actor.sharePromptPrefix` are on by default; re-running this section measures the step "
+                   "with them.")
+    else:  # flags absent from the settings (no run yet) are the defaults: on
+        on = [(name, what) for name, flag, what in features if flag is not False]
+        off = [name for name, flag, _ in features if flag is False]
+        sharing = ""
+        if on:
+            sharing = (f"distflow runs with {' and '.join(name for name, _ in on)} (on by default): "
+                       + "; ".join(what for _, what in on) + ". TRL processes each prompt once per sample, n "
+                       "times per group. Both compute the same losses and gradients on the same tokens (up to "
+                       "float rounding); distflow skips recomputing the shared prompt, and the throughput "
+                       "counts every sample's prompt tokens on both sides.")
+        if off:
+            sharing += (f" {' and '.join(off)} {'was' if len(off) == 1 else 'were'} off in this run"
+                        + (": distflow, like TRL, processed every prompt once per sample." if not on else "."))
+    return f"""
 Both frameworks run as separate processes, alternating (distflow, TRL, TRL,
 distflow); see `tests/bench/e2e_trl.py` for the exact configuration of each.
-They read the same GSM8K prompts in file order and produce the same number
-of tokens per step (the token columns match). distflow's step includes
-rollout, reward, advantage, the balanced redistribution, the actor update and
-the weight sync to its rollout copy; TRL's includes generation, reward,
-advantages and the update. Throughput is prompt + response tokens per step
-over the step's wall time for the whole machine (both use both cores; a
-per-process figure would only count distflow's two workers against it).
-distflow gains from running its two dp ranks as two processes (generation
+They read the same GSM8K prompts in file order, sample responses
+independently with the same settings (the token columns show how close the
+step sizes are), and use the same learning rate and loss aggregation.
+distflow's step includes rollout, reward, advantage, the balanced
+redistribution, the actor update and the weight sync to its rollout copy;
+TRL's includes generation, reward, advantages and the update. Throughput is
+prompt + response tokens per step over the step's wall time for the whole
+machine (both use all its cores; a per-process figure would only count
+distflow's workers against it).
+
+{_para(sharing)}
+
+distflow gains from running its dp ranks as separate processes (generation
 and the Python-heavy parts run in parallel), TRL from needing no FSDP
-collectives; on 2 cores the comparison says little about a GPU cluster.
+collectives; on a few CPU cores the comparison says little about a GPU
+cluster.
 """
+
 
 MEMORY = """
 Peak RSS (VmHWM) of each worker process over a quickstart run shortened to
 2 steps (no eval, no checkpoints), distributed then centralized. The
 quickstart's batch is a few KB (arithmetic prompts, 8-token answers), so the
-data plane cannot show in these peaks (max/median is the same in both
-modes): model weights, optimizer state, autograd and allocator caches
-dominate. Where the data plane does matter, the funnel section measures each
-rank's peak during a 32k-token edge: centralized rank 0 grows by many times
-what any distributed rank does. The 1.5x target is missed by a wide margin:
-see "What the runtime should change", item 6.
+data plane cannot show in these peaks: model weights, optimizer state,
+autograd and allocator caches dominate. Where the data plane does matter,
+the funnel section measures each rank's peak during a 32k-token edge. The
+targets table says whether the 1.5x target holds for the run shown here.
 """
 
 
-def _get(results: dict, name: str) -> dict:
-    return results.get(name, {}).get("result", {})
-
-
 def runtime_changes(results: dict, tables: dict) -> str:
-    """What the runtime should change, each with the measurement behind it."""
-    funnel, balancer = _get(results, "funnel"), _get(results, "balancer")
-    if "rows" not in funnel or "rows" not in balancer:
-        return ""
-    plan = balancer["planning"]["seconds"]["long_tail"]
-    scale = {r["num_ranks"]: r for r in balancer["plan_scaling"]}
-    big = max(k for k in scale if "runtime" in scale[k])
-    last = funnel["rows"][-1]
-    phases = last.get("exchange_phases_rank0", {})
-    eff = {p: min(r["efficiency"] for r in t if r["mode"] == "distributed" and r["num_gpus"] == 512)
-           for p, t in tables.items()}
-    items = [
-        f"""1. **Balancer speed** (`distflow/data/balance.py`: `balance_partition`, `_refine_by_swaps`,
-   `_best_exchange`, `karmarkar_karp_partition`). 4,096 long-tailed samples over 64 ranks take
-   {plan['lpt'] * 1e3:.0f} ms (target 10 ms): the 2-opt fixes one rank per Python step (each step loops
-   over ranks and bisects per item, up to 4B steps) and always repeats itself from a Karmarkar-Karp
-   start. Port `tests/bench/plan_prototype.py::fast_balance_partition`: a numpy round-robin-by-load
-   start, *pairwise* heavy/light swap rounds (k/2 ranks fixed per numpy step), the vectorised 2-opt
-   for the rest, a stop at 0.1% above `lower_bound`, and the KK start only at <= 8 samples per rank:
-   {plan['prototype'] * 1e3:.1f} ms here, within 0.1% of the bound at >= 16 samples per rank, never
-   worse than KK at 4 (`tests/bench/test_plan_prototype.py` carries over as unit tests).""",
-        """2. **Bin-to-rank matching** (`distflow/data/redistribute.py::balanced_assignment`) sorts all k^2
-   (bin, rank) pairs in Python. Score only pairs that share samples
-   (`plan_prototype.sparse_balanced_assignment`): identical output (tested against the runtime on 300
-   random layouts), O(B log B).""",
-        f"""3. **O(N^2) plan bookkeeping on every rank** (`plan_redistribution` builds the whole [N][N]
-   `sends` table; `exchange._size_matrix`, `_shm_routes` and the `wire` list are [N][N] too). Each
-   rank only needs its send row and receive column (`plan_prototype.rank_wire_plan`, O(B + N)). With
-   1-3: per-edge planning at {big} ranks goes from {scale[big]['runtime']:.2f} s to
-   {scale[big]['prototype_rank_plan'] * 1e3:.0f} ms, and the projected worst-case efficiency at 512 GPUs
-   from {eff.get('runtime', float('nan')):.1%} to {eff.get('prototype_rank_plan', float('nan')):.1%}.
-   Keep `RedistributionPlan` as the tested reference; add a per-rank view the exchange uses.""",
-        f"""4. **Three metadata all-gathers per edge** (`exchange.allgather_lengths`: counts, then padded
-   lengths; `exchange._gather_metadata`: a schema-digest all-gather even when `all_lengths` is given).
-   One all-gather of `[digest, count, lengths padded to the planned per-rank maximum]` does the same.
-   At N = {last['world_size']} one all-gather costs {last['allgather_seconds'] * 1e3:.1f} ms here
-   (oversubscribed cores); on a cluster each costs 2 log2 N network latencies.""",
-        f"""5. **The assemble copy** (`exchange._assemble`): every received byte is copied once more into a
-   contiguous batch ({phases.get('assemble', 0) * 1e3:.1f} ms of {phases.get('total', 0) * 1e3:.1f} ms
-   of one exchange at N = {last['world_size']}, L = {last['nominal_tokens']}), and the actor then
-   copies it again into padded micro-batches (`model_ops.collate`). Returning the pieces (or
-   collating straight from them) saves one full copy per edge.""",
-    ]
-    return "## What the runtime should change\n\n" + "\n".join(items) + "\n" + _extra_changes(results)
-
-
-def _extra_changes(results: dict) -> str:
-    """Items that depend on the end-to-end and memory sections."""
-    out = []
+    """What the runtime should still change, each with the measurement behind it."""
+    funnel = _get(results, "funnel")
+    items = []
+    gathers = _metadata_gathers(funnel)
+    if gathers is None or gathers > 1:
+        last = funnel["rows"][-1] if gathers is not None else None
+        cost = (f" At N = {last['world_size']} one all-gather costs {last['allgather_seconds'] * 1e3:.1f} ms here "
+                "(oversubscribed cores);" if last else "")
+        count = _WORDS.get(gathers, gathers) if gathers is not None else "Several"
+        items.append(f"""**{count} metadata all-gathers per edge**
+   (`exchange.allgather_lengths`: counts, then lengths padded to the longest; `exchange._gather_metadata`: a
+   schema-digest all-gather even when `all_lengths` is given). On balanced edges with shared prompt
+   prefixes the coordinator gathers `[seq_len, group_index, prompt_len]` per sample once (one
+   counts-then-rows pair serves both the lengths and the prompt groups) and the exchange still adds
+   the digest: the same count there. One all-gather of `[digest, count, rows padded to the planned
+   per-rank maximum]` does the same job.{cost} on a cluster each costs 2 log2 N network latencies.""")
+    phases = funnel["rows"][-1].get("exchange_phases_rank0", {}) if "rows" in funnel else {}
+    if phases.get("assemble"):
+        last = funnel["rows"][-1]
+        measured = (f" ({phases['assemble'] * 1e3:.1f} ms of {phases.get('total', 0) * 1e3:.1f} ms of one exchange "
+                    f"at N = {last['world_size']}, L = {last['nominal_tokens']})")
+    else:
+        measured = ""
+    items.append(f"""**The assemble copy** (`exchange._assemble`): every received byte is copied once more into a
+   contiguous batch{measured}, and the actor then copies it again into padded micro-batches
+   (`model_ops.collate`). Returning the pieces (or collating straight from them) saves one full copy
+   per edge.""")
     mem = _get(results, "memory")
     if "summary" in mem:
-        d = mem["summary"]["distributed"]
-        out.append(f"""6. **Worker memory** (quickstart): the largest worker peak is
-   {max(d['peak_rss']) / mem['need_bytes']:.1f}x what its weights, gradient and Adam shards and rollout
-   copy need (section 6). Suspects to profile, in `distflow/worker.py::DagWorker._build_models` and
-   `engines/fsdp.py`: each worker materialises the full actor before `fully_shard` (plus the rollout
-   copy, plus the reference when KL is on), `sync_rollout_weights` materialises every parameter's
-   `full_tensor()`, and freed CPU tensors stay in glibc's arenas (RSS does not drop after sharding).""")
-    return "\n".join(out) + ("\n" if out else "")
+        worst = max(mem["summary"]["distributed"]["peak_rss"]) / mem["need_bytes"]
+        if worst > 1.5:
+            items.append(f"""**Worker memory** (quickstart): the largest worker peak in section 6 is {worst:.1f}x
+   what its weights, gradient and Adam shards and rollout copy need (target 1.5x). Suspects to profile, in
+   `distflow/worker.py::DagWorker._build_models` and `engines/fsdp.py`: each worker materialises the full
+   actor before `fully_shard` (plus the rollout copy, plus the reference when KL is on),
+   `sync_rollout_weights` materialises every parameter's `full_tensor()`, and freed CPU tensors stay in
+   glibc's arenas.""")
+    return ("## What the runtime should change\n\n"
+            + "\n".join(_para(text, 100, f"{k}. ", "   ") for k, text in enumerate(items, 1)) + "\n")
 
 
 def _status(ok: bool | None) -> str:
     return "not measured" if ok is None else ("met" if ok else "**missed**")
 
 
+def _stale(results: dict, *names: str) -> str:
+    """A mark for measured values that come from results older than the current runtime."""
+    return " (*out of date*)" if any(render.stale_reason(n, _get(results, n)) for n in names) else ""
+
+
 def targets_table(results: dict, tables: dict, gpu: dict | None) -> str:
     rows = []
-    funnel = results.get("funnel", {}).get("result", {})
+    funnel = _get(results, "funnel")
     if "rows" in funnel:
         fr = render.funnel_rows(funnel)
         worst = max(fr, key=lambda r: r["bytes_ratio"] / r["bytes_target"])
         rows.append(["busiest-process bytes <= 1.25/N of centralized (all N, L)",
                      f"worst {worst['bytes_ratio']:.3f} vs {worst['bytes_target']:.3f} "
-                     f"(N={worst['N']}, L={worst['L']})",
+                     f"(N={worst['N']}, L={worst['L']})" + _stale(results, "funnel"),
                      _status(all(r["bytes_ratio"] <= r["bytes_target"] for r in fr))])
         s = render.speedup_at(funnel, 8, 16384)
         bare = next((r["speedup_bare"] for r in fr if (r["N"], r["L"]) == (8, 16384)), None)
         if s is not None:
             rows.append(["distributed >= 5x faster at N=8, 16k tokens",
-                         f"{s:.2f}x (bare collectives on this machine: {bare:.2f}x)", _status(s >= 5)])
-    balancer = results.get("balancer", {}).get("result", {})
+                         f"{s:.2f}x (bare collectives on this machine: {bare:.2f}x)" + _stale(results, "funnel"),
+                         _status(s >= 5)])
+    balancer = _get(results, "balancer")
     if "rows" in balancer:
         br = balancer["rows"]
+        mark = _stale(results, "balancer")
         dense = [r for r in br if r["method"] == "lpt" and r["per_rank"] >= 16]
         worst = max(r["vs_bound_worst"] for r in dense)
         rows.append(["imbalance within 1% of max(mean, longest) at >= 16 samples/rank",
-                     f"worst {worst:.4f}", _status(worst <= 1.01)])
+                     f"worst {worst:.4f}" + mark, _status(worst <= 1.01)])
         kk = {(r["dataset"], r["dp"]): r["vs_bound_mean"] for r in br
               if r["method"] == "karmarkar_karp" and r["per_rank"] == 4}
         lpt4 = [r for r in br if r["method"] == "lpt" and r["per_rank"] == 4]
         margin = max(r["vs_bound_mean"] / kk[(r["dataset"], r["dp"])] for r in lpt4)
         rows.append(["at 4 samples/rank no worse than Karmarkar-Karp",
-                     f"worst lpt / KK = {margin:.4f}", _status(margin <= 1.0 + 1e-9)])
+                     f"worst lpt / KK = {margin:.4f}" + mark, _status(margin <= 1.0 + 1e-9)])
         plan = balancer["planning"]["seconds"]
         runtime = max(t["lpt"] for t in plan.values())
-        proto = max(t["prototype"] for t in plan.values())
+        edge = [t["coordinator_plan_runtime"] for t in plan.values() if "coordinator_plan_runtime" in t]
         rows.append(["planning 4096 samples over 64 ranks < 10 ms",
-                     f"runtime {runtime * 1e3:.1f} ms; prototype {proto * 1e3:.1f} ms", _status(runtime < 0.010)])
-    dbuf = results.get("double_buffer", {}).get("result", {})
+                     f"balancer {runtime * 1e3:.1f} ms" + (f"; whole per-edge plan {max(edge) * 1e3:.1f} ms"
+                                                           if edge else "") + mark,
+                     _status(runtime < 0.010)])
+    dbuf = _get(results, "double_buffer")
     if "rows" in dbuf:
         swaps = [r["swap_seconds"] for r in dbuf["rows"]]
         big = dbuf["rows"][-1]
@@ -252,13 +421,15 @@ def targets_table(results: dict, tables: dict, gpu: dict | None) -> str:
     for planner, table in tables.items():
         dist512 = [r for r in table if r["mode"] == "distributed" and r["num_gpus"] == 512]
         worst = min(dist512, key=lambda r: r["efficiency"])
-        rows.append([f"projected efficiency >= 95% at 512 GPUs ({planner} planner)",
-                     f"worst {worst['efficiency']:.1%} ({worst['workload']})", _status(worst["efficiency"] >= 0.95)])
-    e2e = results.get("e2e", {}).get("result", {})
+        rows.append([f"projected efficiency >= 95% at 512 GPUs ({planner} planning)",
+                     f"worst {worst['efficiency']:.1%} ({worst['workload']})" + _stale(results, "funnel", "balancer"),
+                     _status(worst["efficiency"] >= 0.95)])
+    e2e = _get(results, "e2e")
     rows.append(["distflow >= 2x TRL GRPOTrainer throughput",
-                 f"{e2e['speedup']:.2f}x" if "speedup" in e2e else e2e.get("error", "not run")[:120],
+                 (f"{e2e['speedup']:.2f}x" + _stale(results, "e2e")) if "speedup" in e2e
+                 else e2e.get("error", "not run")[:120],
                  _status(e2e["speedup"] >= 2 if "speedup" in e2e else None)])
-    mem = results.get("memory", {}).get("result", {})
+    mem = _get(results, "memory")
     if "summary" in mem:
         d = mem["summary"]["distributed"]
         rows.append(["distributed: no rank's peak > 1.10 x median rank's", f"{d['max_over_median']:.3f}",
@@ -269,4 +440,8 @@ def targets_table(results: dict, tables: dict, gpu: dict | None) -> str:
     rows.append(["GPU check (NCCL bandwidth vs device copy, one CUDA step)",
                  gpu.get("date", "skipped") if gpu else "not run yet (no GPU lent)",
                  _status(None if not gpu else True)])
-    return "## Targets\n\n" + md_table(["target (issue)", "measured", "status"], rows)
+    table = "## Targets\n\n" + md_table(["target (issue)", "measured", "status"], rows)
+    if any("*out of date*" in row[1] for row in rows):
+        table += ("\n\n*out of date*: from results recorded before the current runtime (the section's "
+                  "header says why); re-running that section updates the row.")
+    return table

@@ -2,7 +2,8 @@
 
 Each ``render_<section>(result) -> str`` turns one section's JSON (as the
 benchmark modules return it) into markdown and writes that section's plots
-under docs/benchmarks/. ``targets(results)`` evaluates the issue's targets.
+under docs/benchmarks/; ``stale_reason`` says when a saved result predates the runtime it
+describes. The prose and the targets table are in ``notes``.
 """
 
 from __future__ import annotations
@@ -10,9 +11,38 @@ from __future__ import annotations
 from tests.bench._common import FIGURES_DIR, fmt_bytes, md_table
 
 FIG_LINK = "benchmarks"  # figures' folder relative to docs/benchmarks.md
+BALANCER_METHODS = ("lpt", "lpt_plain", "karmarkar_karp", "contiguous")
+"""Partitioners the balancer section shows (results from before the runtime took over the
+bench prototype also hold a ``prototype`` method; it is not shown)."""
+PLANNING_COLUMNS = {**{m: m for m in BALANCER_METHODS}, "coordinator_plan_runtime": "per-edge plan"}
+"""Planning-time columns shown, by result key (older results hold prototype variants too)."""
 
 
-def _plt():
+def stale_reason(name: str, result: dict) -> str | None:
+    """Why a saved section result predates the runtime it describes, or None.
+
+    Judged from what the result holds, so results recorded before the report
+    kept commits are recognised too.
+    """
+    if not result or "error" in result:
+        return None
+    if name == "balancer":
+        planning = next(iter(result.get("planning", {}).get("seconds", {}).values()), {})
+        if any(r.get("method") == "prototype" for r in result.get("rows", ())) or "prototype" in planning:
+            return ("recorded when the fast planner was still a bench prototype (before commit dad7056): "
+                    "`lpt` and the per-edge plan are the former runtime's")
+    if name == "funnel":
+        phases = (result.get("rows") or [{}])[-1].get("exchange_phases_rank0", {})
+        if "size matrix" in phases:
+            return ("recorded before each rank built only its own part of the plan (commit dad7056): "
+                    "planning and the exchange's bookkeeping are the former runtime's")
+    if name == "e2e" and "share_prompt_prefix" not in result.get("settings", {}):
+        return ("recorded before distflow shared prompt prefixes (`actor.sharePromptPrefix`, "
+                "`rollout.sharePrefill`): its step processed every prompt once per sample, as TRL does")
+    return None
+
+
+def pyplot():
     import matplotlib
 
     matplotlib.use("Agg")
@@ -21,11 +51,21 @@ def _plt():
     return plt
 
 
-def _save(fig, name: str) -> str:
+def log_x_axis(ax, ticks) -> None:
+    """Log-scale x axis labelled with plain numbers at ``ticks`` only."""
+    from matplotlib.ticker import NullFormatter, NullLocator
+
+    ax.set_xscale("log")
+    ax.set_xticks(list(ticks), labels=[str(t) for t in ticks])
+    ax.xaxis.set_minor_locator(NullLocator())
+    ax.xaxis.set_minor_formatter(NullFormatter())
+
+
+def save_figure(fig, name: str) -> str:
     FIGURES_DIR.mkdir(parents=True, exist_ok=True)
     fig.tight_layout()
     fig.savefig(FIGURES_DIR / name, dpi=110)
-    _plt().close(fig)
+    pyplot().close(fig)
     return f"![{name}]({FIG_LINK}/{name})"
 
 
@@ -89,7 +129,7 @@ def render_funnel(result: dict) -> str:
 
 
 def _funnel_plots(rows: list[dict]) -> str:
-    plt = _plt()
+    plt = pyplot()
     lengths = sorted({r["L"] for r in rows})
     sizes = sorted({r["N"] for r in rows})
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
@@ -100,13 +140,15 @@ def _funnel_plots(rows: list[dict]) -> str:
         ax2.plot([r["N"] for r in sel], [r["speedup_bare"] for r in sel], "x:", color=ax2.lines[-1].get_color())
     ax1.plot(sizes, [1.25 / n for n in sizes], "k--", label="target 1.25/N")
     ax1.set(xlabel="gloo ranks N", ylabel="busiest-rank bytes, distributed / centralized",
-            title="Bytes through the busiest process", xscale="log", xticks=sizes, xticklabels=sizes)
+            title="Bytes through the busiest process")
     ax2.axhline(5, color="k", ls="--", label="target 5x (N=8, 16k)")
     ax2.set(xlabel="gloo ranks N", ylabel="centralized time / distributed time",
-            title="Edge speedup (x: bare collectives)", xscale="log", xticks=sizes, xticklabels=sizes)
+            title="Edge speedup, median (x: bare collectives)")
+    log_x_axis(ax1, sizes)
+    log_x_axis(ax2, sizes)
     ax1.legend(fontsize=8)
     ax2.legend(fontsize=7)
-    by_n = _save(fig, "funnel_vs_n.png")
+    by_n = save_figure(fig, "funnel_vs_n.png")
     fig, ax = plt.subplots(figsize=(6, 4))
     for n in sizes:
         sel = [r for r in rows if r["N"] == n]
@@ -115,15 +157,16 @@ def _funnel_plots(rows: list[dict]) -> str:
                 label=f"N={n} exchange only")
         ax.plot([r["L"] for r in sel], [r["speedup_bare"] for r in sel], "x:", color=line.get_color(),
                 label=f"N={n} bare")
-    ax.set(xscale="log", xlabel="nominal tokens per sample", ylabel="centralized / distributed time",
-           title="Speedup vs sample length", xticks=lengths, xticklabels=lengths)
+    ax.set(xlabel="nominal tokens per sample", ylabel="centralized / distributed time",
+           title="Speedup vs sample length (median)")
+    log_x_axis(ax, lengths)
     ax.legend(fontsize=7)
-    return by_n + "\n" + _save(fig, "funnel_vs_length.png")
+    return by_n + "\n" + save_figure(fig, "funnel_vs_length.png")
 
 
 def render_balancer(result: dict) -> str:
-    rows = result["rows"]
-    methods = ["lpt", "lpt_plain", "karmarkar_karp", "contiguous", "prototype"]
+    rows = [r for r in result["rows"] if r["method"] in BALANCER_METHODS]
+    methods = [m for m in BALANCER_METHODS if any(r["method"] == m for r in rows)]
     parts = []
     for dataset in ("gsm8k", "long_tail"):
         body = []
@@ -135,29 +178,28 @@ def render_balancer(result: dict) -> str:
         parts.append(f"**{dataset}** (max load / max(mean load, longest item), mean over seeds):\n\n" + md_table(
             ["samples/rank", "dp"] + methods + ["lpt max/mean", "lpt / strong bound"], body))
     plan = result["planning"]
-    timing = md_table(["dataset"] + list(next(iter(plan["seconds"].values()))),
-                      [[d] + [f"{v * 1e3:.1f}" for v in t.values()] for d, t in plan["seconds"].items()])
-    names = ("runtime", "prototype", "prototype_rank_plan")
-    scaling = md_table(["ranks", "samples"] + [f"{n} (s)" for n in names],
-                       [[r["num_ranks"], r["num_samples"]] + [f"{r[n]:.3f}" if n in r else "not run" for n in names]
+    columns = [k for k in PLANNING_COLUMNS if k in next(iter(plan["seconds"].values()))]
+    timing = md_table(["dataset"] + [PLANNING_COLUMNS[k] for k in columns],
+                      [[d] + [f"{t[k] * 1e3:.1f}" for k in columns] for d, t in plan["seconds"].items()])
+    scaling = md_table(["ranks", "samples", "per-edge plan (s)"],
+                       [[r["num_ranks"], r["num_samples"], f"{r['runtime']:.3f}" if "runtime" in r else "not run"]
                         for r in result["plan_scaling"]])
     stats = result["gsm8k_length_stats"]
     return "\n\n".join(parts + [
         f"GSM8K-derived lengths: {stats['count']} records, mean {stats['mean']:.0f}, "
         f"min {stats['min']}, max {stats['max']} tokens.",
         f"Planning time for {plan['num_samples']} samples over {plan['num_ranks']} ranks, ms (median of 7; "
-        "`coordinator_plan_*` = the per-edge planning variants of the next table, at this size):\n\n"
+        "*per-edge plan* = what every rank runs before a balanced move: `balanced_assignment` "
+        "(balancer + bin-to-rank matching) + `plan_for_rank` + the exchange's per-rank wire sizes):\n\n"
         + timing,
-        "Per-edge planning on every rank as the job grows (16 samples per rank, long-tailed lengths): "
-        "`runtime` = balanced_assignment + plan_redistribution + exchange's [N][N] size matrix; "
-        "`prototype` = the prototype balancer and sparse assignment with the runtime's plan and sizes; "
-        "`prototype_rank_plan` = the prototype with one rank's O(B + N) wire plan:\n\n" + scaling,
+        "Per-edge plan on every rank as the job grows (16 samples per rank, long-tailed lengths; "
+        "median of 3 below 256 ranks, one run from 256 up):\n\n" + scaling,
         _balancer_plot(rows)])
 
 
 def _balancer_plot(rows: list[dict]) -> str:
-    plt = _plt()
-    methods = ["lpt", "lpt_plain", "karmarkar_karp", "contiguous", "prototype"]
+    plt = pyplot()
+    methods = [m for m in BALANCER_METHODS if any(r["method"] == m for r in rows)]
     pers = sorted({r["per_rank"] for r in rows})
     fig, axes = plt.subplots(2, len(pers), figsize=(4 * len(pers), 7), squeeze=False)
     for i, dataset in enumerate(("gsm8k", "long_tail")):
@@ -166,13 +208,13 @@ def _balancer_plot(rows: list[dict]) -> str:
             for m in methods:
                 sel = sorted((r for r in rows if (r["dataset"], r["per_rank"], r["method"]) == (dataset, per, m)),
                              key=lambda r: r["dp"])
-                ax.plot([r["dp"] for r in sel], [r["vs_bound_mean"] for r in sel], "o-" if m != "prototype" else "x--",
-                        label=m, ms=4)
+                ax.plot([r["dp"] for r in sel], [r["vs_bound_mean"] for r in sel], "o-", label=m, ms=4)
             ax.axhline(1.01, color="k", ls=":", lw=1)
-            ax.set(xscale="log", yscale="log", title=f"{dataset}, {per} samples/rank", xlabel="dp size",
+            ax.set(title=f"{dataset}, {per} samples/rank", xlabel="dp size",
                    ylabel="max load / max(mean, longest)")
+            log_x_axis(ax, sorted({r["dp"] for r in rows}))
     axes[0][0].legend(fontsize=7)
-    return _save(fig, "imbalance_vs_dp.png")
+    return save_figure(fig, "imbalance_vs_dp.png")
 
 
 def render_double_buffer(result: dict) -> str:
@@ -183,23 +225,27 @@ def render_double_buffer(result: dict) -> str:
         [[fmt_bytes(r["bytes"]), f"{r['swap_seconds'] * 1e6:.1f}", f"{r['swap_seconds_max'] * 1e6:.1f}",
           f"{r['inline_free_seconds'] * 1e3:.2f}", f"{r['background_free_seconds'] * 1e3:.2f}",
           fmt_bytes(r["rss_returned_bytes"])] for r in rows])
-    plt = _plt()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(6, 4))
     sizes = [r["bytes"] / 2**20 for r in rows]
     ax.plot(sizes, [r["swap_seconds"] for r in rows], "o-", label="DoubleBuffer.swap (critical path)")
     ax.plot(sizes, [r["inline_free_seconds"] for r in rows], "s--", label="inline free (what swap avoids)")
     ax.plot(sizes, [r["background_free_seconds"] for r in rows], "x:", label="background free (off the path)")
-    ax.set(xscale="log", yscale="log", xlabel="generation size (MiB)", ylabel="seconds",
-           title="Double buffer swap vs freeing")
+    ax.set(yscale="log", xlabel="generation size (MiB)", ylabel="seconds", title="Double buffer swap vs freeing")
+    log_x_axis(ax, [int(x) for x in sizes])
     ax.legend(fontsize=8)
-    return table + "\n\n" + _save(fig, "double_buffer.png")
+    return table + "\n\n" + save_figure(fig, "double_buffer.png")
 
 
 def render_e2e(result: dict) -> str:
     if "error" in result:
         return f"**Not measured:** {result['error']}"
     s = result["settings"]
-    settings = md_table(["setting", "value"], [[k, v] for k, v in s.items()])
+    distflow_only = {"share_prefill": "distflow only (`rollout.sharePrefill`)",
+                     "share_prompt_prefix": "distflow only (`actor.sharePromptPrefix`)",
+                     "workers": "distflow (TRL: one process)"}
+    settings = md_table(["setting", "value", "applies to"],
+                        [[k, v, distflow_only.get(k, "both")] for k, v in s.items()])
     summ = result["summary"]
     table = md_table(
         ["framework", "median step (s)", "tokens/step", "tokens/s (machine)", "mean response", "steps measured",
@@ -216,7 +262,12 @@ def render_e2e(result: dict) -> str:
     if stages:
         table += "\n\ndistflow's median step by stage (slowest rank): " + ", ".join(
             f"{k} {v:.2f} s" for k, v in stages.items())
-    return (f"TRL {result['trl_version']}. Settings (both frameworks):\n\n{settings}\n\n{table}\n\n"
+    single = summ.get("distflow_1_worker")
+    if single:
+        table += (f"\n\n`distflow_1_worker` is one extra distflow run with 1 worker x {s['threads']} threads "
+                  "(no second process, FSDP over a group of one): it separates what the two-process "
+                  "data-parallel split costs on 2 cores from what the single-process path costs.")
+    return (f"TRL {result['trl_version']}. Settings:\n\n{settings}\n\n{table}\n\n"
             f"distflow / TRL throughput: **{result['speedup']:.2f}x**.\n\nEvery step (first of each run dropped "
             f"from the medians as warm-up):\n\n{per_run}")
 

@@ -19,6 +19,7 @@ import datetime
 import inspect
 import json
 import os
+import subprocess
 import time
 import traceback
 
@@ -30,12 +31,13 @@ RESULTS = FIGURES_DIR / "results.json"
 GPU_RESULTS = FIGURES_DIR / "gpu_results.json"
 COMMAND = "PYTHONPATH=worker_image:operator:. python -m tests.bench.report"
 PLANNERS = {
-    "runtime": "the runtime as is: balanced_assignment + plan_redistribution + exchange's size matrix",
-    "prototype": "plan_prototype's balancer and sparse assignment; the runtime's [N][N] plan and sizes",
-    "prototype_rank_plan": "plan_prototype's balancer, sparse assignment and per-rank O(B + N) wire plan",
+    "runtime": "per-edge plan on every rank: balanced_assignment + plan_for_rank + the exchange's "
+               "per-rank wire sizes (balancer section)",
 }
-"""Per-edge planning variants the projection is computed for (balancer benchmark timings)."""
-MIN_FREE_GIB = {"e2e": 8.0, "memory": 8.0}
+"""Per-edge planning the projection is computed for (keys of the balancer's ``plan_scaling``
+rows). Results recorded before the runtime took over the bench prototype hold prototype
+variants as well; they are not projected."""
+MIN_FREE_GIB = {"e2e": 7.0, "memory": 7.0}
 """Free memory the model-training sections wait for: the machine is shared."""
 
 
@@ -76,17 +78,32 @@ def _wait_for_memory(name: str, wait_s: float = 600.0) -> str | None:
     return None
 
 
+def _commit() -> str | None:
+    """The checked-out commit (``+dirty`` with uncommitted changes under worker_image/), or None."""
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO_ROOT, capture_output=True,
+                              text=True, timeout=30, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--", "worker_image"], cwd=REPO_ROOT,
+                               capture_output=True, text=True, timeout=30, check=True).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return head + ("+dirty" if dirty else "")
+
+
 def run_sections(names, results: dict) -> None:
+    """Run each section and save its entry; a section that cannot start (not enough free
+    memory on this shared machine) keeps its previous entry."""
     for name in names:
+        why_not = _wait_for_memory(name)
+        if why_not:
+            print(f"[report] {name} skipped, previous results kept: {why_not}", flush=True)
+            continue
         entry = {"command": f"{COMMAND} --only {name}",
-                 "started": datetime.datetime.now().isoformat(timespec="seconds"),
+                 "started": datetime.datetime.now().isoformat(timespec="seconds"), "commit": _commit(),
                  "load_before": round(os.getloadavg()[0], 2), "machine": machine_info()}
         start = time.perf_counter()
-        why_not = _wait_for_memory(name)
         print(f"[report] {name} ...", flush=True)
         try:
-            if why_not:
-                raise RuntimeError(why_not)
             entry["result"] = _run_section(name)
         except Exception as err:  # a broken section is reported, not fatal to the others
             entry["result"] = {"error": f"{type(err).__name__}: {err}"}
@@ -110,17 +127,19 @@ def field_docs(cls) -> dict[str, str]:
     return docs
 
 
-def measured_inputs(results: dict, planner: str) -> scaling_model.Measured | None:
-    """The scaling model's measured inputs, from the funnel and balancer sections."""
+def measured_inputs(results: dict, planner: str = "runtime") -> scaling_model.Measured | None:
+    """The scaling model's measured inputs, from the funnel and balancer sections (the
+    runtime's balancer, ``lpt``, for the imbalance)."""
     funnel = results.get("funnel", {}).get("result", {})
     balancer = results.get("balancer", {}).get("result", {})
     if "rows" not in funnel or "rows" not in balancer:
         return None
     messages = funnel["rows"][-1]["messages_rank0"]["distflow"]
-    method = "lpt" if planner == "runtime" else "prototype"
     imbalance = [(r["dp"], r["vs_mean_mean"]) for r in balancer["rows"]
-                 if (r["dataset"], r["per_rank"], r["method"]) == ("long_tail", 16, method)]
+                 if (r["dataset"], r["per_rank"], r["method"]) == ("long_tail", 16, "lpt")]
     planning = [(r["num_samples"], r[planner]) for r in balancer["plan_scaling"] if planner in r]
+    if not planning or not imbalance:
+        return None
     return scaling_model.Measured(
         bytes_per_token=funnel["bytes_per_token"], host_copy_bytes_per_s=funnel["host_copy_bytes_per_s"],
         metadata_collectives_per_edge=messages.get("all_gather", 0) + messages.get("all_gather_object", 0),
@@ -142,14 +161,17 @@ def render_scaling(results: dict) -> tuple[str, dict]:
     if not tables:
         return "Needs the funnel and balancer sections.", {}
     m = measured_inputs(results, "runtime")
+    if m is None:
+        return "Needs the funnel and balancer sections.", {}
     mdocs = field_docs(scaling_model.Measured)
     measured = md_table(["measured input", "value", "what"], [
         ["bytes_per_token", f"{m.bytes_per_token:g}", mdocs["bytes_per_token"]],
         ["host_copy_bytes_per_s", f"{m.host_copy_bytes_per_s / 1e9:.2f} GB/s", mdocs["host_copy_bytes_per_s"]],
         ["metadata_collectives_per_edge", m.metadata_collectives_per_edge, mdocs["metadata_collectives_per_edge"]],
         *[[f"planning_points ({p})", ", ".join(f"{b}: {s:.3f} s" for b, s in
-                                              measured_inputs(results, p).planning_points), why]
-          for p, why in PLANNERS.items()],
+                                              measured_inputs(results, p).planning_points),
+           f"{mdocs['planning_points']} Measured: {why}."]
+          for p, why in PLANNERS.items() if p in tables],
         ["imbalance_points", ", ".join(f"dp {d}: {x:.4f}" for d, x in m.imbalance_points), mdocs["imbalance_points"]],
     ])
     workloads = md_table(["workload", "params", "layers", "samples/GPU", "prompt", "mean response",
@@ -161,7 +183,7 @@ def render_scaling(results: dict) -> tuple[str, dict]:
             f"Measured inputs (this machine, sections above):\n\n{measured}",
             f"Workloads (weak scaling: per-GPU work fixed):\n\n{workloads}"]
     for planner, rows in tables.items():
-        body.append(f"Projected efficiency vs 32 GPUs, **{planner} planner**:\n\n" + _efficiency_table(rows))
+        body.append(f"Projected efficiency vs 32 GPUs ({planner} planning):\n\n" + _efficiency_table(rows))
     body.append(_scaling_plot(tables))
     return "\n\n".join(body), tables
 
@@ -182,10 +204,9 @@ def _efficiency_table(rows: list[dict]) -> str:
 
 
 def _scaling_plot(tables: dict) -> str:
-    plt = render._plt()
+    plt = render.pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
-    styles = {("runtime", "distributed"): "o-", ("prototype_rank_plan", "distributed"): "s--",
-              ("runtime", "centralized"): "x:"}
+    styles = {("runtime", "distributed"): "o-", ("runtime", "centralized"): "x:"}
     for ax, algorithm in zip(axes, ("GRPO", "PPO")):
         ax.axhspan(0.90, 0.94, color="0.9", label="paper: 90-94%")
         ax.axhline(0.95, color="k", ls="--", lw=1, label="target 95% at 512")
@@ -194,12 +215,22 @@ def _scaling_plot(tables: dict) -> str:
             for k, name in enumerate(dict.fromkeys(r["workload"] for r in rows)):
                 sel = [r for r in rows if r["workload"] == name]
                 ax.plot([r["num_gpus"] for r in sel], [r["efficiency"] for r in sel], style, color=f"C{k}",
-                        label=f"{name}, {mode}" + (f" ({planner} planner)" if mode == "distributed" else ""))
-        ax.set(xscale="log", xlabel="GPUs", ylabel="scaling efficiency vs 32 GPUs", title=algorithm,
-               ylim=(0, 1.05))
-        ax.set_xticks([32, 64, 128, 256, 512, 1024], labels=["32", "64", "128", "256", "512", "1024"])
+                        label=f"{name}, {mode}")
+        ax.set(xlabel="GPUs", ylabel="scaling efficiency vs 32 GPUs", title=algorithm, ylim=(0, 1.05))
+        render.log_x_axis(ax, [32, 64, 128, 256, 512, 1024])
         ax.legend(fontsize=6)
-    return render._save(fig, "scaling_efficiency.png")
+    return render.save_figure(fig, "scaling_efficiency.png")
+
+
+def _scaling_header(results: dict) -> str:
+    stale = [name for name in ("funnel", "balancer")
+             if render.stale_reason(name, results.get(name, {}).get("result", {}))]
+    text = ("## 4. Scaling projection (cost model)\n\nCommand: recomputed by every run of "
+            f"`{COMMAND}` from the funnel and balancer results.\n")
+    if stale:
+        text += (f"\n**Out of date:** its {' and '.join(stale)} inputs were recorded before the current runtime "
+                 f"(see those sections); re-run `{COMMAND} --only {','.join(stale)}`.\n")
+    return text
 
 
 def _section_header(results: dict, name: str, title: str) -> str:
@@ -207,9 +238,14 @@ def _section_header(results: dict, name: str, title: str) -> str:
     if not entry:
         return f"## {title}\n\nNot run yet: `{COMMAND} --only {name}`.\n"
     mach = entry["machine"]
-    return (f"## {title}\n\nCommand: `{entry['command']}`. Run {entry['started']} on {mach['cores']} x "
+    commit = f" at commit {entry['commit']}" if entry.get("commit") else ""
+    text = (f"## {title}\n\nCommand: `{entry['command']}`. Run {entry['started']}{commit} on {mach['cores']} x "
             f"{mach['cpu']}, {mach['memory_gib']} GiB, torch {mach['torch']}; {entry['seconds']} s; load "
             f"average {entry['load_before']} before, {entry['load_after']} after.\n")
+    why = render.stale_reason(name, entry.get("result", {}))
+    if why:
+        text += f"\n**Out of date:** {why}. Re-run `{COMMAND} --only {name}`.\n"
+    return text
 
 
 def _body(results: dict, name: str, fn) -> str:
@@ -226,17 +262,16 @@ def write_report(results: dict) -> str:
 
     scaling_md, tables = render_scaling(results)
     gpu = json.loads(GPU_RESULTS.read_text()) if GPU_RESULTS.exists() else None
-    parts = [notes.INTRO.format(command=COMMAND),
+    parts = [notes.intro(results, COMMAND),
              notes.targets_table(results, tables, gpu),
              _section_header(results, "funnel", "1. The funnel: distributed vs centralized redistribution"),
-             notes.FUNNEL, _body(results, "funnel", render.render_funnel),
-             _section_header(results, "balancer", "2. The balancer"), notes.BALANCER,
+             notes.funnel_text(results), _body(results, "funnel", render.render_funnel),
+             _section_header(results, "balancer", "2. The balancer"), notes.balancer_text(results),
              _body(results, "balancer", render.render_balancer),
-             _section_header(results, "double_buffer", "3. The double buffer"), notes.DOUBLE_BUFFER,
+             _section_header(results, "double_buffer", "3. The double buffer"), notes.double_buffer_text(results),
              _body(results, "double_buffer", render.render_double_buffer),
-             "## 4. Scaling projection (cost model)\n\nCommand: recomputed by every run of "
-             f"`{COMMAND}` from the funnel and balancer results.\n", notes.SCALING, scaling_md,
-             _section_header(results, "e2e", "5. End to end: distflow vs TRL GRPOTrainer"), notes.E2E,
+             _scaling_header(results), notes.scaling_text(results, tables), scaling_md,
+             _section_header(results, "e2e", "5. End to end: distflow vs TRL GRPOTrainer"), notes.e2e_text(results),
              _body(results, "e2e", render.render_e2e),
              _section_header(results, "memory", "6. Memory per process"), notes.MEMORY,
              _body(results, "memory", render.render_memory),

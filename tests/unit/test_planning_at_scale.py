@@ -1,6 +1,6 @@
 """Per-edge planning at scale: the vectorised balancer, sparse bin matching, per-rank plans.
 
-Carried over from the bench prototype's tests (tests/bench/plan_prototype.py):
+Carried over from the tests of the former bench prototype (tests/bench/plan_prototype.py):
 brute force, Karmarkar-Karp and the whole [N][N] plan are the oracles.
 """
 
