@@ -78,6 +78,7 @@ side in one run, and projected to 512 and 1,024 GPUs with a cost model whose
 inputs are those measurements. Regenerate everything (20 to 40 minutes,
 depending on how busy the machine is) from the repository root with
 
+    .venv/bin/pip install -e '.[bench]'   # TRL and matplotlib, for the report only
     {command}
 
 `--only SECTION[,SECTION]` re-runs some sections and keeps the others;
