@@ -118,7 +118,8 @@ def run_old_log_prob(worker, node: PlannedNode) -> None:
 
 def run_actor_update(worker, node: PlannedNode) -> None:
     worker.actor.update(worker.coordinator.batch, worker.metrics)
-    moved = worker.actor.sync_rollout(worker.rollout_model)
+    with worker.metrics.timer("weight_sync"):  # part of the actor stage's time, shown on its own
+        moved = worker.actor.sync_rollout(worker.rollout_model)
     worker.metrics.add_sum("perf/weight_sync_bytes", moved)
 
 
