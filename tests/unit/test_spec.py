@@ -51,6 +51,14 @@ def test_camel_and_snake_case_are_both_accepted():
      "spec.rollout.tensorParallelSize", "engine vllm"),
     ({**MINIMAL, "dataPlane": {"mode": "driver"}}, "spec.dataPlane.mode", "centralized"),
     ({**MINIMAL, "rollout": {"val": {"n": 4}}}, "spec.rollout.val.n", "set rollout.val.temperature > 0"),
+    ({**MINIMAL, "model": {"path": "tiny:llama"}}, "spec.model.path", "tiny:<auto|byte|smollm2>"),
+    ({**MINIMAL, "data": {"train": {"path": "x"}, "rewardFn": "nosuch"}}, "spec.data.rewardFn", "module:function"),
+    ({**MINIMAL, "data": {"train": {"path": "arithmetic", "minOperand": 50, "maxOperand": 20}}},
+     "spec.data.train.minOperand", "swap them"),
+    ({**MINIMAL, "data": {"train": {"path": "arithmetic"}, "eval": {"path": "arithmetic:foo"}}},
+     "spec.data.eval.path", "unknown arithmetic split"),
+    ({**MINIMAL, "data": {"train": {"path": "arithmetic"}, "eval": {"path": "arithmetic:train"}}},
+     "spec.data.eval.path", "hold out with arithmetic:eval"),
 ])
 def test_bad_spec_names_field_and_fix(doc, path, fix):
     problems = _problems(doc)
@@ -100,6 +108,9 @@ def test_spec_names_match_runtime_registries():
     assert set(spec.POLICY_LOSSES) == set(algorithms.POLICY_LOSSES)
     assert set(spec.KL_ESTIMATORS) == set(algorithms.KL_ESTIMATORS)
     assert set(spec.LOSS_AGG_MODES) == set(algorithms.LOSS_AGG_MODES)
+    from distflow.rewards import REWARD_FNS
+
+    assert set(spec.BUILTIN_REWARDS) == set(REWARD_FNS)
 
 
 def test_preflight_rejects_missing_data_file_and_cycle_before_workers(tmp_path):

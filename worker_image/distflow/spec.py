@@ -95,7 +95,8 @@ class DataSpec(_Spec):
     system_prompt: str | None = None
     """A system message put before every prompt (None: the chat template's default)."""
     reward_fn: str | None = None
-    """Reward function: `gsm8k`, `math`, `arithmetic` or `module:function`.
+    """Reward function: `gsm8k`, `gsm8k_flexible`, `math`, `arithmetic`, `arithmetic_concise`,
+    or a user function `module:function` (or `path/to/file.py:function`).
     None: chosen per record by its data_source."""
 
 
@@ -485,6 +486,38 @@ def _size_problems(spec: JobSpec):
     if spec.rollout.engine == "hf" and tp != 1:
         yield "rollout.tensorParallelSize: the hf engine runs with 1; set it to 1 or use engine vllm"
     yield from _algorithm_problems(spec)
+    yield from _source_problems(spec)
+
+
+TINY_TOKENIZERS = ("auto", "byte", "smollm2")
+"""Tokenizers of the tiny random test model `tiny:<tokenizer>` (`tiny` alone: auto)."""
+BUILTIN_REWARDS = ("gsm8k", "gsm8k_flexible", "math", "arithmetic", "arithmetic_concise")
+"""Reward functions by name (`distflow.rewards.REWARD_FNS`); anything else must be `module:function`."""
+ARITHMETIC_SPLITS = ("train", "eval")
+
+
+def _source_problems(spec: JobSpec):
+    """Model and data sources that would otherwise fail only once the workers load them."""
+    path = spec.model.path
+    if path.startswith("tiny:") and path.removeprefix("tiny:") not in TINY_TOKENIZERS:
+        yield (f"model.path: {path!r} names no tiny-model tokenizer; use tiny or "
+               f"tiny:<{'|'.join(TINY_TOKENIZERS)}>")
+    reward = spec.data.reward_fn
+    if reward is not None and reward not in BUILTIN_REWARDS and ":" not in reward:
+        yield (f"data.rewardFn: unknown {reward!r}; choose one of {', '.join(BUILTIN_REWARDS)} "
+               f"or give a user function as module:function (or path/to/file.py:function)")
+    for name in ("train", "eval"):
+        ds = getattr(spec.data, name)
+        if ds is None or not (ds.path == "arithmetic" or ds.path.startswith("arithmetic:")):
+            continue
+        split = ds.path.partition(":")[2] or "train"
+        if split not in ARITHMETIC_SPLITS:
+            yield f"data.{name}.path: unknown arithmetic split {split!r}; use arithmetic:train or arithmetic:eval"
+        elif name == "eval" and split == "train":
+            yield "data.eval.path: arithmetic:train is the training split; hold out with arithmetic:eval"
+        if ds.min_operand > ds.max_operand:
+            yield (f"data.{name}.minOperand: {ds.min_operand} is above maxOperand {ds.max_operand}; "
+                   f"swap them or widen the range")
 
 
 def _algorithm_problems(spec: JobSpec):
