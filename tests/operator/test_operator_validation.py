@@ -44,7 +44,7 @@ REJECTED = [
     ("spec.rollout.temperature", "hot", "spec.rollout.temperature"),
     ("spec.rollout.n", True, "spec.rollout.n"),
     ("spec.data.shuffle", "yes", "spec.data.shuffle"),
-    ("spec.model", "tiny:llama", "spec.model"),
+    ("spec.model", "tiny", "spec.model"),
     ("spec.data.train", ["arithmetic"], "spec.data.train"),
     ("spec.template.env", {"A": "1"}, "spec.template.env"),
     ("spec.template.nodeSelector", {"pool": 3}, "spec.template.nodeSelector.pool"),

@@ -23,7 +23,7 @@ def make_job(status=None, nodes=2, run_policy=None, spec=None, deleting=False):
         "metadata": {"name": "grpo", "namespace": "ns", "uid": "u1", "generation": 1,
                      "creationTimestamp": ago(600)},
         "spec": spec if spec is not None else {
-            "model": {"path": "tiny:llama"}, "data": {"train": {"path": "arithmetic"}, "trainBatchSize": 4},
+            "model": {"path": "tiny"}, "data": {"train": {"path": "arithmetic"}, "trainBatchSize": 4},
             "cluster": {"numNodes": nodes}, "runPolicy": run_policy or {"maxRestarts": 2, "backoffSeconds": 10}},
         "status": status or {},
     }
@@ -205,7 +205,7 @@ def test_job_created_suspended_starts_at_attempt_one_when_resumed():
 
 
 def test_invalid_spec_fails_without_children():
-    decision = decide(make_job(spec={"model": {"path": "tiny:llama"}}), [], NOW)
+    decision = decide(make_job(spec={"model": {"path": "tiny"}}), [], NOW)
     assert decision.terminal.reason == "InvalidSpec" and decision.create_ranks == ()
     assert decision.terminal.message == "spec.data: required field is missing; add it"
 

@@ -19,7 +19,7 @@ OWNER = JobRef(name="grpo", namespace="team-a", uid="0b6c-uid")
 
 
 def make_spec(**sections):
-    base = {"model": {"path": "tiny:llama"}, "data": {"train": {"path": "arithmetic"}, "trainBatchSize": 8},
+    base = {"model": {"path": "tiny"}, "data": {"train": {"path": "arithmetic"}, "trainBatchSize": 8},
             "cluster": {"numNodes": 4, "procsPerNode": 2, "acceleratorsPerNode": 2}}
     base.update(sections)
     return parse_spec(base)
@@ -31,7 +31,7 @@ def env_of(pod) -> dict[str, str]:
 
 def test_example_job_is_a_valid_two_node_spec():
     spec = load_job_spec(EXAMPLE)
-    assert spec.cluster.num_nodes == 2 and spec.model.path == "tiny:llama"
+    assert spec.cluster.num_nodes == 2 and spec.model.path == "tiny"
 
 
 def test_node_env_is_torchrun_style_for_its_rank():

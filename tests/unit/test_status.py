@@ -22,7 +22,7 @@ EARLIER = format_time(NOW - timedelta(minutes=5))
 def make_job(status=None, generation=1, run_policy=None):
     return job_view({
         "metadata": {"name": "grpo", "namespace": "ns", "uid": "u1", "generation": generation},
-        "spec": {"model": {"path": "tiny:llama"}, "data": {"train": {"path": "arithmetic"}, "trainBatchSize": 4},
+        "spec": {"model": {"path": "tiny"}, "data": {"train": {"path": "arithmetic"}, "trainBatchSize": 4},
                  "cluster": {"numNodes": 2}, "trainer": {"totalSteps": 20},
                  "runPolicy": run_policy or {"maxRestarts": 2, "backoffSeconds": 10}},
         "status": status or {}})

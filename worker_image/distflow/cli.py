@@ -32,7 +32,7 @@ def _parser() -> argparse.ArgumentParser:
         c.add_argument("--set", dest="overrides", action="append", default=[], metavar="PATH=VALUE",
                        help="override a spec field, e.g. --set data.train.path=train.jsonl")
         if name == "run":
-            c.add_argument("--no-resume", action="store_true", help="ignore existing checkpoints")
+            c.add_argument("--no-resume", action="store_true", help="start over: move the previous run's checkpoints and logs aside (<name>.previous)")
             c.add_argument("--resume", action="store_true",
                            help="continue from the latest checkpoint (the default when one exists)")
     node = sub.add_parser("node", help="run this pod's workers (env launcher)")

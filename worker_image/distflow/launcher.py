@@ -91,6 +91,8 @@ def launch_local(spec: JobSpec, job_name: str, resume: bool = True, progress: bo
     from distflow.worker import WorkerEnv
 
     preflight(spec)
+    if not resume:
+        set_aside_previous_run(spec)
     model_dir = resolve_model_dir(spec)
     cluster = spec.cluster
     # Every worker shares this machine: local_world_size counts them all (CPU threads per worker).
@@ -99,6 +101,37 @@ def launch_local(spec: JobSpec, job_name: str, resume: bool = True, progress: bo
                      master_addr="127.0.0.1", master_port=free_port(), job_name=job_name,
                      model_dir=model_dir, resume=resume, metrics_port=spec.trainer.metrics_port)
     mp.spawn(_local_worker_main, args=(spec, base, progress), nprocs=spec.world_size, join=True)
+
+
+def set_aside_previous_run(spec: JobSpec) -> list[Path]:
+    """Starting over (``--no-resume``): move an earlier run's checkpoints and logs out of the way.
+
+    ``checkpoint.dir`` and the metrics / eval-sample files in ``trainer.logDir``
+    are renamed to ``<name>.previous`` (replacing an older ``.previous``), so
+    the new run neither prunes its own first checkpoints as "older" than the
+    old ones, nor resumes from the old run after a crash, nor mixes the two
+    runs' metrics; the earlier run stays on disk until the next start-over.
+
+    Returns:
+        The paths moved (their new names).
+    """
+    import shutil
+
+    candidates = [Path(spec.trainer.log_dir) / name for name in ("metrics.jsonl", "eval_samples.jsonl")]
+    if spec.checkpoint.dir:
+        candidates.insert(0, Path(spec.checkpoint.dir))
+    present = [path for path in candidates if path.exists()]
+    if not present:
+        return []
+    for path in candidates:  # one previous run at a time: never a mix of two older ones
+        old = path.with_name(path.name + ".previous")
+        if old.is_dir():
+            shutil.rmtree(old)
+        elif old.exists():
+            old.unlink()
+    moved = [path.rename(path.with_name(path.name + ".previous")) for path in present]
+    print("distflow: --no-resume: the previous run was moved aside to " + ", ".join(map(str, moved)), flush=True)
+    return moved
 
 
 def node_env_from_environ(environ=os.environ) -> dict[str, int | str]:
