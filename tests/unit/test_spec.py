@@ -89,6 +89,20 @@ def test_missing_file_and_bad_override(tmp_path):
         load_job_spec(path, ["data.train.path"])
 
 
+@pytest.mark.parametrize("text, message", [
+    ("- a\n- b\n", "expected a mapping"),
+    ("42\n", "expected a mapping"),
+    ("kind: RLPostTrainJob\nmetadata: {name: x}\n", "has no spec mapping"),
+])
+def test_files_that_are_not_a_spec_get_a_clear_error(tmp_path, text, message):
+    path = tmp_path / "c.yaml"
+    path.write_text(text)
+    with pytest.raises(DistflowConfigError, match=message):
+        load_job_spec(path)
+    with pytest.raises(DistflowConfigError, match="is a directory"):
+        load_job_spec(tmp_path)
+
+
 def test_examples_are_valid():
     for path in sorted((ROOT / "examples").glob("*.yaml")):
         load_job_spec(path)

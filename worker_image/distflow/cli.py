@@ -91,7 +91,10 @@ def cmd_model(args) -> int:
     from distflow.models import resolve_model
     from distflow.worker import model_cache_dir
 
-    print(resolve_model(args.source, model_cache_dir()))
+    try:
+        print(resolve_model(args.source, model_cache_dir()))
+    except ValueError as err:  # an unknown source or a missing file: the message says which
+        raise DistflowConfigError(f"model {args.source!r}: {err}") from None
     return EXIT_OK
 
 

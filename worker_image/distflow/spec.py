@@ -621,10 +621,17 @@ def load_job_spec(path: str | Path, overrides: list[str] | None = None) -> JobSp
         doc = yaml.safe_load(path.read_text())
     except FileNotFoundError:
         raise DistflowConfigError(f"{path}: no such file") from None
+    except IsADirectoryError:
+        raise DistflowConfigError(f"{path}: is a directory; give a YAML file") from None
     except yaml.YAMLError as err:
         raise DistflowConfigError(f"{path}: not valid YAML: {err}") from None
     if doc is None:
         raise DistflowConfigError(f"{path}: the file is empty")
+    if not isinstance(doc, dict):
+        raise DistflowConfigError(f"{path}: expected a mapping (a run config or an RLPostTrainJob), "
+                                  f"got a YAML {type(doc).__name__}")
+    if doc.get("kind") == KIND and not isinstance(doc.get("spec"), dict):
+        raise DistflowConfigError(f"{path}: the RLPostTrainJob has no spec mapping; add one")
     return spec_from_manifest(apply_overrides(doc, overrides or []))
 
 
