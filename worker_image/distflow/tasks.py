@@ -27,9 +27,10 @@ from typing import Sequence
 import numpy as np
 
 from distflow.data.sources import PromptRecord
+from distflow.spec import ARITHMETIC_SPLITS
 
 ARITHMETIC_DATA_SOURCE = "arithmetic"
-SPLITS = ("train", "eval")
+SPLITS = ARITHMETIC_SPLITS  # defined with the spec, which checks configs before any worker starts
 EVAL_MODULUS = 10
 _SPLIT_CODES = {"train": 0, "eval": 1}
 _MAX_DRAWS = 10_000
