@@ -5,8 +5,8 @@ marks *redistribute*) on N gloo ranks: each rank holds the samples it
 generated (rollout layout) and the samples must end in the token-balanced
 train layout. Four ways to do it, alternated in one run:
 
-- ``distflow``: what the data coordinator does: all-gather the lengths,
-  balance (``balanced_assignment``), build this rank's part of the plan
+- ``distflow``: what the data coordinator does: all-gather the metadata
+  (lengths and schema digests, one ``all_gather``), balance (``balanced_assignment``), build this rank's part of the plan
   (``plan_for_rank``), ``exchange`` (one packed ``all_to_all_single``).
 - ``centralized``: the same balancing and the whole plan (the root rebuilds
   every rank's batch), then ``exchange_centralized`` (every batch to rank 0,
@@ -68,15 +68,18 @@ def make_batch(lengths: list[int], rank: int):
 
 
 def _plan_edge(batch, rank_plan: bool = False):
-    """What the coordinator does before moving: gather lengths, balance, plan: this rank's
-    part with ``rank_plan`` (the distributed coordinator), else the whole plan (centralized)."""
+    """What the coordinator does before moving: gather the metadata (one all-gather, its
+    capacity learned from earlier edges: every rank holds ``batch.num_samples`` here), balance,
+    plan: this rank's part with ``rank_plan`` (the distributed coordinator), else the whole
+    plan (centralized). Returns (metadata, plan)."""
     import torch.distributed as dist
 
     from distflow.data.balance import sample_cost
-    from distflow.data.exchange import allgather_lengths
+    from distflow.data.exchange import gather_metadata
     from distflow.data.redistribute import balanced_assignment, plan_for_rank, plan_redistribution
 
-    lengths = allgather_lengths(batch.seq_lens)
+    metadata = gather_metadata(batch, capacity=batch.num_samples)
+    lengths = metadata.lengths
     holdings, offset = [], 0
     for lens in lengths:
         holdings.append(list(range(offset, offset + lens.numel())))
@@ -84,8 +87,8 @@ def _plan_edge(batch, rank_plan: bool = False):
     flat = torch.cat(lengths).tolist()
     target = balanced_assignment(holdings, [sample_cost(n) for n in flat])
     if rank_plan:
-        return lengths, plan_for_rank(holdings, target, dist.get_rank())
-    return lengths, plan_redistribution(holdings, target)
+        return metadata, plan_for_rank(holdings, target, dist.get_rank())
+    return metadata, plan_redistribution(holdings, target)
 
 
 def _byte_matrices(batch, plan, lengths):
@@ -144,11 +147,11 @@ def _run_variant(name, batch, ctx):
     if name in ("distflow", "centralized", "distflow_exchange", "centralized_exchange"):
         counters = TransferCounters()
         if name.endswith("_exchange"):
-            lengths, plan = ctx["lengths"], ctx["rank_plan" if name.startswith("distflow") else "plan"]
+            metadata, plan = ctx["metadata"], ctx["rank_plan" if name.startswith("distflow") else "plan"]
         else:
-            lengths, plan = _plan_edge(batch, rank_plan=name == "distflow")
+            metadata, plan = _plan_edge(batch, rank_plan=name == "distflow")
         run = exchange if name.startswith("distflow") else exchange_centralized
-        result = run(batch, plan, None, counters, "advantage->actor", all_lengths=lengths)
+        result = run(batch, plan, None, counters, "advantage->actor", metadata=metadata)
     elif name == "bare_all_to_all":
         _bare_all_to_all(ctx["wire"], rank, ctx["send"])
     else:
@@ -178,9 +181,9 @@ def _measure_length(nominal: int, samples_per_rank: int, repeats: int) -> dict:
 
     rank, world = dist.get_rank(), dist.get_world_size()
     batch = make_batch(sample_lengths(rank, samples_per_rank, nominal), rank)
-    lengths, plan = _plan_edge(batch)
-    wire, inbound, outbound = _byte_matrices(batch, plan, lengths)
-    ctx = {"wire": wire, "inbound": inbound, "outbound": outbound, "lengths": lengths, "plan": plan,
+    metadata, plan = _plan_edge(batch)
+    wire, inbound, outbound = _byte_matrices(batch, plan, metadata.lengths)
+    ctx = {"wire": wire, "inbound": inbound, "outbound": outbound, "metadata": metadata, "plan": plan,
            "rank_plan": plan.for_rank(rank),
            "send": torch.zeros(max(sum(wire[rank]), inbound[rank], 1), dtype=torch.uint8)}
     times = {v: [] for v in VARIANTS}
@@ -302,7 +305,7 @@ def exchange_phases(batch, ctx, repeats: int = 5) -> dict[str, float]:
             spent.clear()
             dist.barrier()
             start = time.perf_counter()
-            xchg.exchange(batch, ctx["rank_plan"], all_lengths=ctx["lengths"])
+            xchg.exchange(batch, ctx["rank_plan"], metadata=ctx["metadata"])
             runs.append({**spent, "total": time.perf_counter() - start})
     finally:
         for (mod, name), fn in originals.items():

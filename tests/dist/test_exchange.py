@@ -133,11 +133,44 @@ def _scenarios(rank: int, world: int, seed: int) -> dict:
         fn(moving, moving_plan, counters=counters, edge="e")
         out[name] = counters
 
+    out.update(_metadata_scenario(batch, holdings, balanced))
+
     odd = batch.with_fields(sample={"extra": torch.zeros(batch.num_samples)}) if rank == world - 1 else batch
     try:
         exchange(odd, plan)
     except ValueError as err:
         out["schema_error"] = str(err)
+    return out
+
+
+def _metadata_scenario(batch, holdings, balanced) -> dict:
+    """gather_metadata with too small and with enough capacity; exchange fed by it."""
+    import torch.distributed as dist
+
+    from distflow.data.exchange import exchange, gather_metadata
+
+    calls = {"all_gather": 0}
+    real = dist.all_gather
+
+    def counting(*args, **kwargs):
+        calls["all_gather"] += 1
+        return real(*args, **kwargs)
+
+    rank = dist.get_rank()
+    gids = torch.tensor(holdings[rank], dtype=torch.int64)
+    out = {}
+    dist.all_gather = counting
+    try:
+        for capacity in (0, max(len(h) for h in holdings)):
+            calls["all_gather"] = 0
+            meta = gather_metadata(batch, [gids, gids * 10], capacity)
+            out[f"meta_{capacity and 'enough' or 'none'}"] = (
+                [r.clone() for r in meta.rows], list(meta.digests), meta.max_count, calls["all_gather"])
+        calls["all_gather"] = 0
+        moved = exchange(batch, plan_redistribution(holdings, balanced), metadata=meta)
+        out["metadata_exchange"] = (plain(moved), calls["all_gather"])
+    finally:
+        dist.all_gather = real
     return out
 
 
@@ -245,3 +278,20 @@ def test_schema_mismatch_raises_on_every_rank_naming_the_field(run):
     for result in results:
         assert "'extra'" in result["schema_error"]
         assert f"rank {world - 1}" in result["schema_error"]
+
+
+def test_gather_metadata_is_one_all_gather_with_capacity_and_feeds_the_exchange(run):
+    world, results = run
+    holdings, _ = random_case(world, SEED)
+    expected = [torch.tensor([[make_sample(g)["seq_len"], g, 10 * g] for g in held], dtype=torch.int64).reshape(-1, 3)
+                for held in holdings]
+    for rank, result in enumerate(results):
+        for key, collectives in (("meta_none", 2), ("meta_enough", 1)):
+            rows, digests, max_count, calls = result[key]
+            assert calls == collectives, key  # capacity 0: a second gather; enough: one
+            assert len(rows) == world and all(torch.equal(a, b) for a, b in zip(rows, expected)), key
+            assert len(set(digests)) == 1 and max_count == max(len(h) for h in holdings)
+        moved, calls = result["metadata_exchange"]
+        assert calls == 0  # lengths and schema digests came with the metadata
+        for name, value in result["balanced"].items():
+            assert bitwise_equal(moved[name], value), name

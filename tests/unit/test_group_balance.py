@@ -58,3 +58,12 @@ def test_unbalanced_layout_moves_whole_groups():
         assert len(ids) == 4
         assert {tuple(ids[:2]), tuple(ids[2:])} <= {(0, 1), (6, 7), (2, 3), (4, 5)}
         assert sorted(LENGTHS[i] for i in ids) == [15, 15, 45, 45]
+
+
+def test_back_to_origin_returns_every_sample_to_its_generating_rank_in_generation_order():
+    from distflow.coordinator import _back_to_origin
+
+    # rank 0 holds ids 0..2, rank 1 ids 3..4; origins [rank, index] per id in global id order
+    holdings = [[0, 1, 2], [3, 4]]
+    origins = [[1, 1], [0, 1], [1, 0], [0, 0], [0, 2]]
+    assert _back_to_origin(holdings, origins) == [[3, 1, 4], [2, 0]]

@@ -30,7 +30,7 @@ from distflow.data.balance import imbalance, sample_cost
 from distflow.data.batch import PackedBatch
 from distflow.data.buffer import DoubleBuffer, NodeBuffer
 from distflow.data.counters import TransferCounters
-from distflow.data.exchange import allgather_lengths, exchange, exchange_centralized
+from distflow.data.exchange import exchange, exchange_centralized, gather_metadata
 from distflow.data.redistribute import balanced_assignment, plan_for_rank, plan_redistribution
 from distflow.planner import ROLLOUT, Plan, PlannedNode, same_samples
 from distflow.spec import JobSpec
@@ -48,6 +48,8 @@ class DataCoordinator:
     placement: str = ROLLOUT
     producer: str = ""
     last_imbalance: float = 1.0
+    metadata_capacity: int = 0
+    """Rows each rank pads its metadata to: the fullest rank seen so far (equal on every rank)."""
 
     @property
     def batch(self) -> PackedBatch:
@@ -92,28 +94,39 @@ class DataCoordinator:
     def _move(self, placement: str, edge: str, target: list[list[int]] | None = None) -> None:
         batch = self.batch
         layout = self.plan.layouts[placement]
-        groups = None
-        if target is None and layout.balanced and self._shares_prompts(batch):
-            # One metadata gather serves the exchange (lengths) and the balancer (prompt groups).
-            per_rank = _allgather_rows(torch.stack(
-                [batch.seq_lens, batch.sample_fields["group_index"], batch.sample_fields["prompt_len"]], 1).long())
-            lengths = [rows[:, 0].contiguous() for rows in per_rank]
-            groups = prompt_groups(torch.cat(per_rank)[:, 1:].tolist(), layout.dp_size)
-        else:
-            lengths = allgather_lengths(batch.seq_lens)
+        fields = batch.sample_fields
+        share = target is None and layout.balanced and self._shares_prompts(batch)
+        to_origin = target is None and not layout.balanced and placement == ROLLOUT
+        columns = ([fields["group_index"], fields["prompt_len"]] if share
+                   else [fields["origin_rank"], fields["origin_index"]] if to_origin else [])
+        # ONE all-gather: lengths and schema digests for the exchange, plus what the target needs
+        # (prompt groups to balance, or where each sample was generated).
+        metadata = gather_metadata(batch, columns, self.metadata_capacity)
+        self.metadata_capacity = max(self.metadata_capacity, metadata.max_count)
+        lengths = metadata.lengths
         holdings, offset = [], 0
         for lens in lengths:
             holdings.append(list(range(offset, offset + lens.numel())))
             offset += lens.numel()
         flat = torch.cat(lengths).tolist() if lengths else []
         if target is None:
-            target = self._target(placement, holdings, flat, batch, groups)
+            extra = torch.cat(metadata.rows)[:, 1:].tolist() if columns else []
+            if share:
+                groups = prompt_groups(extra, layout.dp_size)
+                target = (self._balance_groups(holdings, flat, groups, layout.dp_size) if groups is not None
+                          else self._balance_samples(holdings, flat, layout.dp_size))
+            elif layout.balanced:
+                target = self._balance_samples(holdings, flat, layout.dp_size)
+            elif to_origin:
+                target = _back_to_origin(holdings, extra)
+            else:
+                target = holdings
         if self.centralized:
             plan = plan_redistribution(holdings, target)  # the root rebuilds every rank's batch
         else:
             plan = plan_for_rank(holdings, target, self.rank)  # O(B + N): this rank's row and column
         run = exchange_centralized if self.centralized else exchange
-        kwargs = dict(all_lengths=lengths)
+        kwargs = dict(metadata=metadata)
         if not self.centralized and self.node_buffer is not None:
             kwargs.update(node_of_rank=[self.plan.node_of_rank(r) for r in range(self.plan.world_size)],
                           node_buffer=self.node_buffer, step=self.step)
@@ -137,18 +150,12 @@ class DataCoordinator:
         fields = batch.sample_fields
         return self.spec.actor.share_prompt_prefix and "group_index" in fields and "prompt_len" in fields
 
-    def _target(self, placement: str, holdings, lengths: list[int], batch, groups=None) -> list[list[int]]:
-        layout = self.plan.layouts[placement]
-        if layout.balanced:
-            if groups is not None:
-                return self._balance_groups(holdings, lengths, groups, layout.dp_size)
-            costs = [sample_cost(n, self.spec.data_plane.balance_alpha) for n in lengths]
-            target = balanced_assignment(holdings, costs, layout.dp_size)
-            self.last_imbalance = imbalance(costs, target)
-            return target
-        if placement == ROLLOUT:
-            return self._back_to_origin(holdings, batch)
-        return holdings
+    def _balance_samples(self, holdings, lengths: list[int], dp_size: int) -> list[list[int]]:
+        """``balanced_assignment`` of single samples by token cost."""
+        costs = [sample_cost(n, self.spec.data_plane.balance_alpha) for n in lengths]
+        target = balanced_assignment(holdings, costs, dp_size)
+        self.last_imbalance = imbalance(costs, target)
+        return target
 
     def _balance_groups(self, holdings, lengths: list[int], groups, dp_size: int) -> list[list[int]]:
         """``balanced_assignment`` over whole prompt groups, expanded back to sample ids.
@@ -168,17 +175,6 @@ class DataCoordinator:
         unit_target = balanced_assignment(group_holdings, costs, dp_size)
         self.last_imbalance = imbalance(costs, unit_target)
         return [[gid for unit in units for gid in groups[unit][0]] for units in unit_target]
-
-    def _back_to_origin(self, holdings, batch: PackedBatch) -> list[list[int]]:
-        """Every sample back to the rank that generated it, in generation order."""
-        origin = torch.stack([batch.sample_fields["origin_rank"], batch.sample_fields["origin_index"]], 1)
-        everyone = torch.cat(_allgather_rows(origin))
-        ids = [gid for held in holdings for gid in held]
-        keyed = sorted(zip(everyone.tolist(), ids))
-        target: list[list[int]] = [[] for _ in holdings]
-        for (rank, _), gid in keyed:
-            target[rank].append(gid)
-        return target
 
     def next_step(self, step: int) -> None:
         """Step boundary: O(1) swap; last step's data is freed in the background."""
@@ -226,11 +222,15 @@ def prompt_groups(rows: list[list[int]], dp_size: int) -> list[tuple[list[int], 
     return [(m, prompt[g]) for g, m in sorted(members.items(), key=lambda kv: kv[1][0])]
 
 
-def _allgather_rows(rows: torch.Tensor) -> list[torch.Tensor]:
-    """Every rank's [B_r, k] int64 rows, in rank order (metadata only; two small all-gathers)."""
-    import torch.distributed as dist
+def _back_to_origin(holdings: list[list[int]], origins: list[list[int]]) -> list[list[int]]:
+    """Every sample back to the rank that generated it, in generation order.
 
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return [rows]
-    width = rows.shape[1]
-    return [flat.reshape(-1, width) for flat in allgather_lengths(rows.reshape(-1))]
+    Args:
+        holdings: global sample ids each rank holds now.
+        origins: [B] ``[origin_rank, origin_index]`` per sample, in global id order.
+    """
+    ids = [gid for held in holdings for gid in held]
+    target: list[list[int]] = [[] for _ in holdings]
+    for (rank, _), gid in sorted(zip(map(tuple, origins), ids)):
+        target[rank].append(gid)
+    return target

@@ -98,7 +98,86 @@ def _schema_digest(schema: Sequence[FieldSpec]) -> int:
     return int.from_bytes(hashlib.sha256(repr(tuple(schema)).encode()).digest()[:8], "little") >> 1
 
 
-def _gather_metadata(batch, src_counts: Sequence[int], group, all_lengths):
+@dataclass(frozen=True)
+class EdgeMetadata:
+    """Every rank's per-sample metadata for one edge, from one all-gather (``gather_metadata``)."""
+
+    rows: list[torch.Tensor]
+    """[world] of [B_r, 1 + k] int64 CPU tensors: ``seq_lens`` (tokens), then the caller's k columns."""
+    digests: list[int]
+    """[world] digest of each rank's ``field_schema()``; ``exchange`` checks they agree."""
+
+    @property
+    def lengths(self) -> list[torch.Tensor]:
+        """[world] of [B_r] int64: every rank's ``seq_lens``."""
+        return [rows[:, 0].contiguous() for rows in self.rows]
+
+    @property
+    def max_count(self) -> int:
+        """Samples on the fullest rank: a ``capacity`` for the next ``gather_metadata``."""
+        return max((rows.shape[0] for rows in self.rows), default=0)
+
+
+def gather_metadata(batch: PackedBatch, columns: Sequence[torch.Tensor] = (), capacity: int = 0,
+                    group=None) -> EdgeMetadata:
+    """All-gather what an edge needs to plan and size its moves, in ONE collective.
+
+    Each rank contributes ``[B_r, schema digest, rows padded to capacity]``
+    with one row ``[seq_len, *columns]`` per sample. Lengths, the schema check
+    of ``exchange`` and the planner's extra metadata (prompt groups, origin
+    ranks) then cost one latency instead of three. When a rank holds more than
+    ``capacity`` samples, a second all-gather of the rows padded to the fullest
+    rank follows (correct, one latency more); pass the previous edge's
+    ``max_count`` to avoid it.
+
+    Collective: every rank calls it with the same number of columns and the
+    same ``capacity``.
+
+    Args:
+        batch: this rank's samples.
+        columns: k tensors of [B_r] integers (cast to int64), one value per sample.
+        capacity: rows every rank pads to in the first all-gather (>= 0).
+        group: process group (default: world).
+
+    Returns:
+        ``EdgeMetadata`` with every rank's rows, in rank order.
+
+    Raises:
+        ValueError: a column does not have one value per sample, or capacity < 0.
+    """
+    if capacity < 0:
+        raise ValueError(f"capacity is {capacity}; give the rows to pad to, >= 0")
+    count = batch.num_samples
+    for i, column in enumerate(columns):
+        if column.shape != (count,):
+            raise ValueError(f"columns[{i}] has shape {tuple(column.shape)}; need [{count}] (one per sample)")
+    rows = torch.stack([batch.seq_lens.cpu(), *(c.cpu() for c in columns)], 1).to(torch.int64)
+    digest = _schema_digest(batch.field_schema())
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return EdgeMetadata([rows], [digest])
+    width = rows.shape[1]
+    device = _comm_device(group)
+    mine = torch.zeros(2 + capacity * width, dtype=torch.int64, device=device)
+    mine[0], mine[1] = count, digest
+    kept = min(count, capacity)
+    mine[2: 2 + kept * width] = rows[:kept].reshape(-1).to(device)
+    parts = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, mine, group=group)
+    parts = [p.cpu() for p in parts]
+    counts, digests = [int(p[0]) for p in parts], [int(p[1]) for p in parts]
+    longest = max(counts)
+    if longest <= capacity:
+        gathered = [p[2: 2 + n * width].reshape(n, width) for p, n in zip(parts, counts)]
+    else:  # some rank outgrew the capacity: every rank sees it and gathers again, padded to the fullest
+        padded = torch.zeros(longest * width, dtype=torch.int64, device=device)
+        padded[: count * width] = rows.reshape(-1).to(device)
+        full = [torch.empty_like(padded) for _ in counts]
+        dist.all_gather(full, padded, group=group)
+        gathered = [p.cpu()[: n * width].reshape(n, width) for p, n in zip(full, counts)]
+    return EdgeMetadata(gathered, digests)
+
+
+def _gather_metadata(batch, src_counts: Sequence[int], group, all_lengths, metadata=None):
     """Lengths of all ranks, after checking schemas agree everywhere and that rank r
     holds ``src_counts[r]`` samples, as the plan says.
 
@@ -107,7 +186,17 @@ def _gather_metadata(batch, src_counts: Sequence[int], group, all_lengths):
     """
     schema = batch.field_schema()
     digest = _schema_digest(schema)
-    if all_lengths is None:
+    if metadata is not None:
+        if all_lengths is not None:
+            raise ValueError("give metadata or all_lengths, not both")
+        lengths, digests = metadata.lengths, list(metadata.digests)
+        if len(lengths) != len(src_counts):
+            raise ValueError(f"metadata covers {len(lengths)} ranks; need one per rank ({len(src_counts)})")
+        if not torch.equal(lengths[dist.get_rank(group)], batch.seq_lens.cpu()) or \
+                digests[dist.get_rank(group)] != digest:
+            raise ValueError("metadata was gathered from another batch than this rank's; "
+                             "pass gather_metadata(batch) of the batch being exchanged")
+    elif all_lengths is None:
         lengths, digests = _allgather_lengths(batch.seq_lens, digest, group)
     else:
         digests = [d[0] for d in _allgather_ints([digest], group)]
@@ -307,6 +396,7 @@ def exchange(
     edge: str = "",
     *,
     all_lengths: Sequence[torch.Tensor] | None = None,
+    metadata: EdgeMetadata | None = None,
     node_of_rank: Sequence[int] | None = None,
     node_buffer: NodeBuffer | None = None,
     step: int = 0,
@@ -318,7 +408,7 @@ def exchange(
     the whole plan is O(B + N^2)); both move the same bytes. An identity plan
     returns ``batch`` itself and moves nothing (local cache).
     Otherwise: all-gather counts and a schema digest (and the lengths, unless
-    ``all_lengths`` is given), publish same-node pieces to ``node_buffer``,
+    ``all_lengths`` is given; nothing when ``metadata`` is), publish same-node pieces to ``node_buffer``,
     one ``all_to_all_single`` for the rest, take same-node pieces, and
     assemble the planned order with one copy per field.
 
@@ -336,7 +426,11 @@ def exchange(
         node_of_rank: node index of each group rank; with ``node_buffer``,
             pieces between ranks of one node go through shared memory.
         all_lengths: [world] of [B_r] int64, from ``allgather_lengths``, when
-            the caller already gathered them (e.g. to balance).
+            the caller already gathered them (e.g. to balance); the schema
+            digests then still cost one all-gather.
+        metadata: ``gather_metadata(batch)`` when the caller gathered it to
+            plan: lengths and schema digests at once, so the exchange runs
+            no metadata collective at all.
         step: training step, keys node-buffer files.
 
     Returns:
@@ -359,7 +453,7 @@ def exchange(
         return batch
     if isinstance(plan, RedistributionPlan):
         plan = plan.for_rank(rank)
-    schema, lengths = _gather_metadata(batch, plan.src_counts, group, all_lengths)
+    schema, lengths = _gather_metadata(batch, plan.src_counts, group, all_lengths, metadata)
     sizes = _rank_wire_sizes(plan, schema, lengths, node_of_rank)
     device = _comm_device(group)
     for dst in range(world):
@@ -414,6 +508,7 @@ def exchange_centralized(
     edge: str = "",
     *,
     all_lengths: Sequence[torch.Tensor] | None = None,
+    metadata: EdgeMetadata | None = None,
     root: int = 0,
 ) -> PackedBatch:
     """The single-controller baseline: the same result as ``exchange``, all through ``root``.
@@ -432,7 +527,8 @@ def exchange_centralized(
                          f"not {type(plan).__name__}: its root rebuilds every rank's batch")
     _check_inputs(batch, plan, group, None, None)
     rank, world = dist.get_rank(group), dist.get_world_size(group)
-    schema, lengths = _gather_metadata(batch, [len(h) for h in plan.src_holdings], group, all_lengths)
+    schema, lengths = _gather_metadata(batch, [len(h) for h in plan.src_holdings], group, all_lengths,
+                                       metadata)
     device = _comm_device(group)
     planned = [_planned_lengths(plan, lengths, dst) for dst in range(world)]
     inbound = [piece_nbytes(schema, sum(lens), len(lens)) for lens in lengths]
