@@ -9,10 +9,10 @@ running) are plain counters and a histogram kept here.
 Series:
 
     distflow_operator_jobs{phase}                             jobs per phase (every phase, 0 too)
-    distflow_operator_job_phase{namespace,job,phase}          1 for the job's current phase
-    distflow_operator_job_restarts_total{namespace,job}       the job's gang restarts (status.restarts)
-    distflow_operator_job_nodes_ready{namespace,job}          ready node pods
-    distflow_operator_job_nodes_desired{namespace,job}        spec.cluster.numNodes
+    distflow_operator_job_phase{namespace,job_name,phase}     1 for the job's current phase
+    distflow_operator_job_restarts_total{namespace,job_name}  the job's gang restarts (status.restarts)
+    distflow_operator_job_nodes_ready{namespace,job_name}     ready node pods
+    distflow_operator_job_nodes_desired{namespace,job_name}   spec.cluster.numNodes
     distflow_operator_gang_restarts_total                     gang restarts this operator performed
     distflow_operator_time_to_running_seconds                 histogram: (re)start -> every node running
     distflow_operator_reconciles_total
@@ -103,7 +103,7 @@ class OperatorMetrics:
         for phase in PHASES:
             by_phase.add_metric([phase], sum(s.phase == phase for s in jobs.values()))
         yield by_phase
-        labels = ["namespace", "job"]
+        labels = ["namespace", "job_name"]
         phase = GaugeMetricFamily("distflow_operator_job_phase", "1 for the job's current phase",
                                   labels=labels + ["phase"])
         restarts = CounterMetricFamily("distflow_operator_job_restarts", "Gang restarts of the job",

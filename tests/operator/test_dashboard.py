@@ -9,7 +9,7 @@ with a value through Prometheus' HTTP API, and the panels are drawn from
 those results into a PNG (DISTFLOW_DASHBOARD_PNG=path keeps it, e.g.
 docs/images/dashboard.png).
 
-The metric-name checks at the top need no Prometheus and no cluster.
+The metric-name and label checks at the top need no Prometheus and no cluster.
 """
 
 from __future__ import annotations
@@ -80,18 +80,44 @@ def metric_names(expr: str) -> set[str]:
     return set(re.findall(r"\bdistflow_\w+", expr))
 
 
-def exported_families() -> dict[str, str]:
-    """Metric family -> type, declared by the runtime's and the operator's collectors."""
-    from distflow.exporter import NodeExporter
+def observed_families() -> list:
+    """The runtime's and the operator's metric families after one step, a checkpoint and a job."""
+    from distflow.exporter import STEP_GAUGES, NodeExporter
     from distflow_operator.metrics import JobSample, OperatorMetrics
     from prometheus_client import CollectorRegistry
 
+    node = NodeExporter("j", 0, port=0)
+    node.observe_step(1, {**dict.fromkeys(STEP_GAUGES, 1.0), "timing_s/rollout": 1.0},
+                      {(0, "rollout->actor"): 1.0}, num_tokens=1.0, cache_hits=0.0, exchanges=1.0)
+    node.observe_checkpoint(1)
     operator = OperatorMetrics()
     operator.record_job("ns", "j", JobSample("Running", 0, 1, 1))
+    operator.observe_time_to_running(1.0)
     registry = CollectorRegistry()
     registry.register(operator)
-    return {family.name: family.type for reg in (NodeExporter("j", 0, port=0).registry, registry)
-            for family in reg.collect()}
+    return [family for reg in (node.registry, registry) for family in reg.collect()]
+
+
+def exported_families() -> dict[str, str]:
+    """Metric family -> type, declared by the runtime's and the operator's collectors."""
+    return {family.name: family.type for family in observed_families()}
+
+
+def exported_series_labels() -> dict[str, set[str]]:
+    """Series name (with its _total, _bucket ... suffix) -> the label names it carries."""
+    labels: dict[str, set[str]] = {}
+    for family in observed_families():
+        for sample in family.samples:
+            labels.setdefault(sample.name, set()).update(sample.labels)
+    return labels
+
+
+def query_labels(expr: str, legend_format: str) -> set[str]:
+    """Label names a target groups by, matches on or shows in its legend."""
+    grouped = {name.strip() for by in re.findall(r"\bby \(([^)]*)\)", expr) for name in by.split(",")}
+    matched = {name for selector in re.findall(r"\{([^}]*)\}", expr)
+               for name in re.findall(r"(\w+)\s*(?:=~|!~|!=|=)", selector)}
+    return grouped | matched | set(re.findall(r"\{\{\s*(\w+)\s*\}\}", legend_format))
 
 
 SERIES_SUFFIXES = {"counter": ("_total", "_created"), "histogram": ("_bucket", "_sum", "_count", "_created"),
@@ -108,6 +134,18 @@ def test_every_dashboard_query_uses_metric_names_the_code_exports():
     for title, ref, expr in dashboard_queries():
         unknown = metric_names(expr) - exported
         assert not unknown, f"panel {title!r} {ref}: {sorted(unknown)} not exported; exported: {sorted(exported)}"
+
+
+@pytest.mark.unit
+def test_every_dashboard_query_uses_labels_its_metrics_carry():
+    # Prometheus' own target labels do not count: `job` there is the scrape job, not the RLPostTrainJob.
+    carried = exported_series_labels()
+    for panel in dashboard_panels():
+        for target in panel["targets"]:
+            available = set().union(*(carried.get(name, set()) for name in metric_names(target["expr"])))
+            used = query_labels(target["expr"], target["legendFormat"])
+            assert used <= available, (f"panel {panel['title']!r} {target['refId']}: labels {sorted(used - available)} "
+                                       f"not on {sorted(metric_names(target['expr']))}")
 
 
 @pytest.mark.unit
@@ -133,12 +171,12 @@ def prometheus_binary() -> str:
 class Prometheus:
     """A Prometheus server on 127.0.0.1 with a throwaway TSDB, scraping fixed targets."""
 
-    def __init__(self, workdir: Path, jobs: dict[str, tuple[list[int], bool]]):
+    def __init__(self, workdir: Path, jobs: dict[str, list[int]]):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        scrape_configs = [{"job_name": name, "honor_labels": honor,
-                           "static_configs": [{"targets": [f"127.0.0.1:{p}" for p in ports]}]}
-                          for name, (ports, honor) in jobs.items()]
+        # No honor_labels: no label the code exports collides with a target label of these scrapes.
+        scrape_configs = [{"job_name": name, "static_configs": [{"targets": [f"127.0.0.1:{p}" for p in ports]}]}
+                          for name, ports in jobs.items()]
         config = {"global": {"scrape_interval": f"{SCRAPE_INTERVAL_S}s",
                              "scrape_timeout": f"{SCRAPE_INTERVAL_S}s"}, "scrape_configs": scrape_configs}
         (workdir / "prometheus.yml").write_text(yaml.safe_dump(config))
@@ -228,8 +266,8 @@ def test_every_dashboard_query_returns_series_from_a_scraped_run(control_plane, 
     node_port, operator_port = free_port(), free_port()
     while node_port + 1 == operator_port:
         operator_port = free_port()
-    prometheus = Prometheus(tmp_path, {"distflow-nodes": ([node_port, node_port + 1], False),
-                                       "distflow-operator": ([operator_port], True)})
+    prometheus = Prometheus(tmp_path, {"distflow-nodes": [node_port, node_port + 1],
+                                       "distflow-operator": [operator_port]})
     run = start_local_run(tmp_path, node_port)
     start = time.time()
     try:
@@ -255,6 +293,8 @@ def test_every_dashboard_query_returns_series_from_a_scraped_run(control_plane, 
             with_values = [s for s in series if any(v[1] not in NOT_A_VALUE for v in s["values"])]
             assert with_values, f"panel {title!r} {ref}: no series with a value for {expr}"
             results[(title, ref)] = with_values
+        restarts = results[("Gang restarts per job", "A")]
+        assert [s["metric"] for s in restarts] == [{"namespace": k8s_namespace, "job_name": "dash-job"}]
     finally:
         stop_process(run)
         prometheus.stop()

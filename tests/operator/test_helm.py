@@ -2,6 +2,7 @@
 
 - ``helm lint --strict`` and ``helm template`` for each mode (cluster-wide,
   watchNamespaces, batchScheduler, monitors); the values schema rejects bad choices.
+- NOTES.txt and docs/operations.md both apply the CRD before ``helm upgrade``.
 - The chart's grant is exactly ``distflow_operator.rbac`` (no more, no less).
 - ``kubectl apply --dry-run=server`` of every rendered object.
 - ``helm install``; the operator then runs as the Deployment would run it (its
@@ -131,6 +132,16 @@ def test_chart_crd_is_the_generated_crd():
     assert chart_crd.read_bytes() == (REPO / "crds" / f"{CRD_NAME}.yaml").read_bytes(), (
         "helm/distflow/crds/ is stale; run: python -m distflow_operator.crdgen "
         f"--output helm/distflow/crds/{CRD_NAME}.yaml")
+
+
+@pytest.mark.parametrize("doc", ["helm/distflow/templates/NOTES.txt", "docs/operations.md"])
+def test_upgrade_instructions_apply_the_crd_before_helm_upgrade(doc):
+    text = (REPO / doc).read_text()
+    commands = [line.strip() for line in text.splitlines()
+                if line.strip().startswith(("kubectl apply --server-side", "helm upgrade "))]
+    assert [c.split()[0] for c in commands] == ["kubectl", "helm"], commands
+    assert "crds/" in commands[0], commands[0]
+    assert "after `helm upgrade`" not in text.lower()
 
 
 @pytest.mark.parametrize("mode", list(MODES))

@@ -209,13 +209,13 @@ def test_deleting_the_job_garbage_collects_children_and_metric_series(control_pl
         def series():
             return urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
 
-        assert f'distflow_operator_job_phase{{job="doomed",namespace="{k8s_namespace}",phase="Running"}} 1.0' \
+        assert f'distflow_operator_job_phase{{job_name="doomed",namespace="{k8s_namespace}",phase="Running"}} 1.0' \
             in series()
         api.delete_job("doomed")
         # The garbage collector learns a new CRD's kind on its 30 s discovery resync.
         wait_for(lambda: not api.pods("doomed") and api.get("configmaps", "doomed-config") is None
                  and api.get("services", "doomed") is None, 75, 0.5, what="children collected")
-        wait_for(lambda: 'job="doomed"' not in series(), 10, what="job series gone")
+        wait_for(lambda: 'job_name="doomed"' not in series(), 10, what="job series gone")
         assert 'distflow_operator_jobs{phase="Running"} 0.0' in series()
 
 

@@ -32,10 +32,10 @@ def test_jobs_are_counted_per_phase_with_zero_for_empty_phases(scrape):
 def test_per_job_series_carry_phase_restarts_and_nodes(scrape):
     metrics, value = scrape
     metrics.record_job("a", "j1", JobSample("Restarting", 2, 1, 4))
-    assert value("distflow_operator_job_phase", namespace="a", job="j1", phase="Restarting") == 1
-    assert value("distflow_operator_job_restarts_total", namespace="a", job="j1") == 2
-    assert value("distflow_operator_job_nodes_ready", namespace="a", job="j1") == 1
-    assert value("distflow_operator_job_nodes_desired", namespace="a", job="j1") == 4
+    assert value("distflow_operator_job_phase", namespace="a", job_name="j1", phase="Restarting") == 1
+    assert value("distflow_operator_job_restarts_total", namespace="a", job_name="j1") == 2
+    assert value("distflow_operator_job_nodes_ready", namespace="a", job_name="j1") == 1
+    assert value("distflow_operator_job_nodes_desired", namespace="a", job_name="j1") == 4
 
 
 def test_a_forgotten_job_leaves_no_series_behind(scrape):
@@ -46,7 +46,7 @@ def test_a_forgotten_job_leaves_no_series_behind(scrape):
     registry = CollectorRegistry()
     registry.register(metrics)
     text = generate_latest(registry).decode()
-    assert 'job="gone"' not in text and 'job="kept"' in text
+    assert 'job_name="gone"' not in text and 'job_name="kept"' in text
     assert value("distflow_operator_jobs", phase="Running") == 1
 
 

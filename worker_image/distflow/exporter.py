@@ -1,6 +1,6 @@
 """Prometheus metrics of one node, served by the node's first worker.
 
-All series carry ``job`` (the RLPostTrainJob or run name) and ``node``
+All series carry ``job_name`` (the RLPostTrainJob or run name) and ``node``
 labels. Per-rank transfer counters carry ``rank`` too. Names follow
 Prometheus conventions: ``_total`` for counters, ``_seconds`` / ``_bytes``
 units in the name.

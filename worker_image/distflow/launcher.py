@@ -75,7 +75,7 @@ def _local_worker_main(index: int, spec: JobSpec, base, with_progress: bool):
     node_rank, local_rank = divmod(index, per_node)
     port = base.metrics_port + node_rank if base.metrics_port and local_rank == 0 else 0
     env = replace(base, rank=index, local_rank=local_rank, node_rank=node_rank, metrics_port=port)
-    progress = _progress_printer(spec) if with_progress and index == 0 else None
+    progress = ProgressPrinter(spec.trainer.total_steps) if with_progress and index == 0 else None
     run_worker(spec, env, progress)
 
 
@@ -191,26 +191,42 @@ def _node_worker_main(local_rank: int, spec: JobSpec, base, nproc: int, port: in
     run_worker(spec, env, None)
 
 
-def _progress_printer(spec: JobSpec):
-    """A rich progress bar on rank 0 with the headline metrics."""
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+class ProgressPrinter:
+    """Rank 0's rich progress bar: "step 12/30", the bar, elapsed time and the headline metrics.
 
-    bar = Progress(TextColumn("[bold]step"), MofNCompleteColumn(), BarColumn(), TimeElapsedColumn(),
-                   TextColumn("{task.fields[info]}"))
-    task = bar.add_task("train", total=spec.trainer.total_steps, info="")
-    bar.start()
+    The worker calls ``printer(step, metrics)`` once with the step it starts
+    from and no metrics (a resumed run's checkpoint step, else 0), then after
+    every step. The bar appears on that first call, so a resumed run starts
+    at its checkpoint step rather than at 0.
+    """
 
-    def update(step: int, metrics: dict) -> None:
-        info = (f"reward {metrics.get('critic/score/mean', float('nan')):.3f}  "
-                f"tok/s {metrics.get('perf/throughput', 0):.0f}  "
-                f"step {metrics.get('timing_s/step', 0):.1f}s")
-        if "eval/score" in metrics:
-            info += f"  eval {metrics['eval/score']:.3f}"
-        bar.update(task, completed=step, info=info)
-        if step >= spec.trainer.total_steps:
-            bar.stop()
+    def __init__(self, total_steps: int, console=None):
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    return update
+        self.total_steps = total_steps
+        self.bar = Progress(TextColumn("[bold]step"), MofNCompleteColumn(), BarColumn(), TimeElapsedColumn(),
+                            TextColumn("{task.fields[info]}"), console=console)
+        self.task = None
+
+    def __call__(self, step: int, metrics: dict[str, float]) -> None:
+        info = _progress_info(metrics) if metrics else ""
+        if self.task is None:
+            self.task = self.bar.add_task("train", total=self.total_steps, completed=step, info=info)
+            self.bar.start()
+        else:
+            self.bar.update(self.task, completed=step, info=info)
+        if step >= self.total_steps:
+            self.bar.stop()
+
+
+def _progress_info(metrics: dict[str, float]) -> str:
+    """The bar's headline: mean reward, tokens/s, step time (seconds) and the eval score if any."""
+    info = (f"reward {metrics.get('critic/score/mean', float('nan')):.3f}  "
+            f"tok/s {metrics.get('perf/throughput', 0):.0f}  "
+            f"step {metrics.get('timing_s/step', 0):.1f}s")
+    if "eval/score" in metrics:
+        info += f"  eval {metrics['eval/score']:.3f}"
+    return info
 
 
 def job_name_for(config_path: str | Path) -> str:

@@ -289,6 +289,12 @@ class DagWorker:
                                    out["data/cache_hits"], out["data/exchanges"])
 
     def train(self, progress=None) -> list[dict[str, float]]:
+        """Run the remaining steps; the per-step metrics of this run.
+
+        ``progress(step, metrics)``, if given, is called once with the step
+        training starts from (the resumed checkpoint's, else 0) and ``{}``,
+        then after every step with that step's metrics.
+        """
         spec = self.spec
         history = []
         if spec.checkpoint.dir and self.env.resume and spec.checkpoint.resume == "auto":
@@ -301,6 +307,8 @@ class DagWorker:
                 self.exporter.observe_checkpoint(self.step)
         if self.step == 0 and spec.data.eval is not None:
             self._log({"training/step": 0, **self._eval_metrics()})
+        if progress:
+            progress(self.step, {})
         fail_at = int(os.environ.get("DISTFLOW_INJECT_FAILURE_AT_STEP", "0"))
         while self.step < spec.trainer.total_steps:
             if fail_at and self.step + 1 == fail_at:

@@ -1,0 +1,66 @@
+"""Rank 0's progress bar starts at the step training starts from: a resumed run's checkpoint step, not 0."""
+
+import io
+
+import pytest
+from rich.console import Console
+
+from distflow import worker as worker_module
+from distflow.launcher import ProgressPrinter
+from distflow.spec import parse_spec
+from distflow.worker import DagWorker, WorkerEnv
+
+pytestmark = pytest.mark.unit
+
+
+def _rendered(printer: ProgressPrinter) -> str:
+    console = Console(file=io.StringIO(), width=120, color_system=None)
+    console.print(printer.bar.get_renderable())
+    return console.file.getvalue()
+
+
+def test_printer_of_a_resumed_run_starts_at_the_checkpoint_step():
+    printer = ProgressPrinter(30, console=Console(file=io.StringIO(), color_system=None))
+    printer(12, {})
+    assert printer.bar.tasks[0].completed == 12
+    assert "step 12/30" in _rendered(printer)
+    printer(13, {"critic/score/mean": 0.5, "perf/throughput": 812.4, "timing_s/step": 2.25})
+    assert printer.bar.tasks[0].completed == 13
+    assert "step 13/30" in _rendered(printer)
+    assert "reward 0.500  tok/s 812  step 2.2s" in _rendered(printer)
+    assert printer.bar.live.is_started
+    printer(30, {"critic/score/mean": 0.75, "eval/score": 0.625})
+    assert "step 30/30" in _rendered(printer) and "eval 0.625" in _rendered(printer)
+    assert not printer.bar.live.is_started
+
+
+def _stand_in_worker(tmp_path, total_steps: int) -> DagWorker:
+    """A DagWorker without models or a process group: train() with run_step() stubbed."""
+    spec = parse_spec({"model": {"path": "tiny"}, "data": {"train": {"path": "arithmetic"}},
+                       "trainer": {"totalSteps": total_steps, "logDir": str(tmp_path / "run")},
+                       "checkpoint": {"dir": str(tmp_path / "run" / "checkpoints")}})
+    worker = DagWorker.__new__(DagWorker)
+    worker.spec = spec
+    worker.env = WorkerEnv(rank=0, world_size=1, local_rank=0, local_world_size=1, node_rank=0, num_nodes=1,
+                           master_addr="127.0.0.1", master_port=0, job_name="job", model_dir="", resume=True)
+    worker.step, worker.exporter, worker.writer, worker.is_logger = 0, None, None, False
+    worker.run_step = lambda: {"training/step": worker.step + 1}
+    return worker
+
+
+@pytest.mark.parametrize("checkpoint_step", [0, 12])
+def test_train_reports_the_start_step_before_the_first_step(tmp_path, monkeypatch, checkpoint_step):
+    monkeypatch.setattr(worker_module.checkpoint, "load_latest", lambda root, worker: checkpoint_step)
+    monkeypatch.setattr(worker_module.checkpoint, "save", lambda *args: None)
+    calls = []
+    _stand_in_worker(tmp_path, total_steps=14).train(lambda step, metrics: calls.append((step, metrics)))
+    assert calls[0] == (checkpoint_step, {})
+    assert [step for step, _ in calls[1:]] == list(range(checkpoint_step + 1, 15))
+    assert calls[-1] == (14, {"training/step": 14})
+
+
+def test_printer_of_a_run_resumed_at_its_last_step_is_stopped(tmp_path, monkeypatch):
+    monkeypatch.setattr(worker_module.checkpoint, "load_latest", lambda root, worker: 14)
+    printer = ProgressPrinter(14, console=Console(file=io.StringIO(), color_system=None))
+    assert _stand_in_worker(tmp_path, total_steps=14).train(printer) == []
+    assert printer.bar.tasks[0].completed == 14 and not printer.bar.live.is_started
