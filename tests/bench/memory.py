@@ -10,7 +10,8 @@ local launcher starts rank 0 first). Distributed and centralized runs
 alternate.
 
 What a worker needs (the issue's yardstick), for P parameters and W workers,
-fp32 weights and Adam: rollout copy 4P + actor shard 4P/W + gradient shard
+fp32 weights and Adam: full weights for the rollout 4P (all-gathered from the
+actor's shards, or a separate copy) + actor shard 4P/W + gradient shard
 4P/W + Adam moments 8P/W bytes.
 """
 
@@ -108,7 +109,7 @@ def quickstart_peaks(mode: str, steps: int, workdir: Path, timeout_s: float) -> 
 
 
 def need_bytes(num_params: int, world_size: int) -> int:
-    """Rollout copy + actor, gradient and Adam shards, fp32 (see module docstring)."""
+    """Full rollout weights + actor, gradient and Adam shards, fp32 (see module docstring)."""
     return 4 * num_params + (4 + 4 + 8) * num_params // world_size
 
 

@@ -297,7 +297,8 @@ They read the same GSM8K prompts in file order, sample responses
 independently with the same settings (the token columns show how close the
 step sizes are), and use the same learning rate and loss aggregation.
 distflow's step includes rollout, reward, advantage, the balanced
-redistribution, the actor update and the weight sync to its rollout copy;
+redistribution, the actor update and the all-gather of the actor's shards
+that the rollout generates with;
 TRL's includes generation, reward, advantages and the update. Throughput is
 prompt + response tokens per step over the step's wall time for the whole
 machine (both use all its cores; a per-process figure would only count
@@ -356,11 +357,10 @@ def runtime_changes(results: dict, tables: dict) -> str:
         worst = max(mem["summary"]["distributed"]["peak_rss"]) / mem["need_bytes"]
         if worst > 1.5:
             items.append(f"""**Worker memory** (quickstart): the largest worker peak in section 6 is {worst:.1f}x
-   what its weights, gradient and Adam shards and rollout copy need (target 1.5x). Suspects to profile, in
-   `distflow/worker.py::DagWorker._build_models` and `engines/fsdp.py`: each worker materialises the full
-   actor before `fully_shard` (plus the rollout copy, plus the reference when KL is on),
-   `sync_rollout_weights` materialises every parameter's `full_tensor()`, and freed CPU tensors stay in
-   glibc's arenas.""")
+   what its weights, gradient and Adam shards and full rollout weights need (target 1.5x). Suspects to
+   profile, in `distflow/worker.py::DagWorker._build_models` and `engines/fsdp.py`: each worker
+   materialises the full actor before `fully_shard` (plus the reference when KL is on), the ~0.7 GiB
+   that importing torch and transformers costs, and freed CPU tensors stay in glibc's arenas.""")
     return ("## What the runtime should change\n\n"
             + "\n".join(_para(text, 100, f"{k}. ", "   ") for k, text in enumerate(items, 1)) + "\n")
 
@@ -436,7 +436,7 @@ def targets_table(results: dict, tables: dict, gpu: dict | None) -> str:
         rows.append(["distributed: no rank's peak > 1.10 x median rank's", f"{d['max_over_median']:.3f}",
                      _status(d["max_over_median"] <= 1.10)])
         worst = max(d["peak_rss"]) / mem["need_bytes"]
-        rows.append(["each worker's peak <= 1.5 x (model + grad + optimizer shards + rollout copy)",
+        rows.append(["each worker's peak <= 1.5 x (model + grad + optimizer shards + rollout weights)",
                      f"worst {worst:.2f}x", _status(worst <= 1.5)])
     rows.append(["GPU check (NCCL bandwidth vs device copy, one CUDA step)",
                  gpu.get("date", "skipped") if gpu else "not run yet (no GPU lent)",

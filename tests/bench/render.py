@@ -281,7 +281,7 @@ def render_memory(result: dict) -> str:
         for rank, (peak, anon) in enumerate(zip(summ["peak_rss"], summ["peak_anon"])):
             rows.append([mode, rank, fmt_bytes(peak), fmt_bytes(anon), f"{peak / need:.2f}"])
     p, w = result["num_params"], result["world_size"]
-    arithmetic = (f"P = {p:,} parameters, W = {w} workers: rollout copy 4P = {fmt_bytes(4 * p)}, actor shard "
+    arithmetic = (f"P = {p:,} parameters, W = {w} workers: full weights for the rollout 4P = {fmt_bytes(4 * p)}, actor shard "
                   f"4P/W = {fmt_bytes(4 * p / w)}, gradient shard 4P/W = {fmt_bytes(4 * p / w)}, Adam moments "
                   f"8P/W = {fmt_bytes(8 * p / w)}; need = {fmt_bytes(need)}; 1.5 x need = {fmt_bytes(1.5 * need)}.")
     spread = md_table(["mode", "max peak / median peak"],

@@ -1,4 +1,7 @@
-"""The actor update moves probability toward positive advantages (FSDP2 on gloo)."""
+"""The actor update moves probability toward positive advantages (FSDP2 on gloo); the rollout
+generates with the unsharded actor as with a synced copy."""
+
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -40,3 +43,61 @@ def test_positive_advantage_gains_probability():
     delta = run_on_ranks(_update_once, 1, 0.0)[0]
     assert delta[0] > 0 and delta[1] > 0, delta  # sample with advantage +1
     assert delta[2] < 0 and delta[3] < 0, delta  # sample with advantage -1
+
+
+def _shared_vs_copy(rank, world):
+    """Update once, then generate with the unsharded actor and with a synced copy."""
+    from torch.distributed.tensor import DTensor
+
+    from distflow.engines import fsdp
+    from distflow.engines.actor import Actor
+    from distflow.engines.rollout import SamplingParams, generate
+    from distflow.metrics import StepMetrics
+    from distflow.models import load_causal_lm, resolve_model
+    from distflow.spec import parse_spec
+    from distflow.worker import model_cache_dir
+
+    spec = parse_spec({"model": {"path": "tiny"}, "data": {"train": {"path": "arithmetic"}, "trainBatchSize": 2},
+                       "actor": {"lr": 1e-2, "microBatchSize": 2}, "algorithm": {"useKlLoss": False}})
+    torch.manual_seed(0)
+    path = resolve_model("tiny", model_cache_dir())
+    model = fsdp.apply_fsdp(load_causal_lm(path), fsdp.dp_mesh(torch.device("cpu"), world))
+    copy = load_causal_lm(path).eval()
+    shared, copied = fsdp.RolloutWeights(model), fsdp.RolloutWeights(model, copy)
+    actor = Actor.build(spec, model, pad_token_id=0, dp_size=world, device=torch.device("cpu"))
+    batch = _two_samples()
+    actor.update(batch, StepMetrics())
+    synced = copied.sync()
+    params = SamplingParams(n=2, temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=6, micro_batch_size=4)
+    prompts = [[5, 6, 7], [8, 9, 10, 11]]
+    out = {"synced_bytes": synced, "nbytes": fsdp.unsharded_nbytes(model)}
+    metrics = StepMetrics()
+    for name, weights in (("shared", shared), ("copy", copied)):
+        with weights.policy(metrics if name == "shared" else None) as policy:
+            gen = generate(policy, SimpleNamespace(pad_token_id=0, eos_token_id=2), prompts, [0, 1], params,
+                           seed=3, device=torch.device("cpu"))
+        out[name] = gen.token_fields["input_ids"].clone()
+    out["sharded_after"] = all(isinstance(p.data, DTensor) for p in model.parameters())
+    actor.update(batch, StepMetrics())  # training still works after the rollout
+    out["metrics"] = metrics.reduce(torch.device("cpu"))
+    return out
+
+
+def _two_samples():
+    from distflow.data.batch import PackedBatch
+
+    ids = torch.tensor([5, 6, 7, 8, 9, 5, 6, 7, 10, 11])
+    rmask = torch.tensor([0, 0, 0, 1, 1] * 2, dtype=torch.int8)
+    adv = torch.tensor([0, 0, 0, 1.0, 1.0, 0, 0, 0, -1.0, -1.0])
+    return PackedBatch(torch.tensor([5, 5]), {"input_ids": ids, "response_mask": rmask, "advantages": adv},
+                       {"response_len": torch.tensor([2, 2]), "prompt_len": torch.tensor([3, 3])})
+
+
+def test_rollout_on_the_unsharded_actor_matches_a_synced_copy():
+    results = run_on_ranks(_shared_vs_copy, 2)
+    for out in results:
+        assert torch.equal(out["shared"], out["copy"])  # same tokens after an update
+        assert out["sharded_after"]  # resharded on exit
+        assert out["synced_bytes"] == out["nbytes"] > 0
+        assert out["metrics"]["perf/weight_sync_bytes"] == 2 * out["nbytes"]  # summed over 2 ranks
+        assert out["metrics"]["timing_s/weight_sync"] > 0

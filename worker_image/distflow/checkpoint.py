@@ -10,7 +10,8 @@ Layout under ``checkpoint.dir``::
 
 Every rank writes its shards into the ``.tmp`` directory, a barrier follows,
 then rank 0 renames it. A crash at any point leaves either the old or the new
-checkpoint complete. The rollout copy is not saved: it is re-synced from the
+checkpoint complete. A separate rollout copy
+(``rollout.shareActorWeights: false``) is not saved: it is re-synced from the
 actor on load; the reference model is the initial weights.
 """
 
@@ -113,5 +114,5 @@ def load_latest(root: str | Path, worker) -> int:
     rank_file = path / f"rank_{dist.get_rank():05d}.pt"
     if rank_file.is_file() and meta.get("world_size") == dist.get_world_size():
         _set_rng_state(torch.load(rank_file, weights_only=False)["rng"])
-    worker.actor.sync_rollout(worker.rollout_model)
+    worker.rollout.sync()
     return int(meta["step"])

@@ -142,6 +142,11 @@ class RolloutSpec(_Spec):
     instead of the full-prompt pass), which can flip a near-tie; on CPU in float32 the
     tested responses are token-identical. Models or transformers versions it does not
     support (sliding-window or linear-attention caches, transformers 4) prefill per sample."""
+    share_actor_weights: bool = True
+    """hf: generate with the actor's own FSDP module, its shards all-gathered once per rollout
+    and kept through generation (as TRL generates with the trained model), instead of a
+    separate unsharded copy refreshed after every update. Saves the copy's memory (4 bytes
+    per parameter in float32) and the per-update sync; the responses are the same."""
     val: ValSamplingSpec = ValSamplingSpec()
     """Sampling for the held-out set (`data.eval`); greedy by default."""
 

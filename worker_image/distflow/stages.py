@@ -13,7 +13,7 @@ Fields added (packed token fields span prompt + response, 0 on prompt tokens):
     advantage      advantages, returns [T_total] (from token_level_rewards when a node shaped them)
     reference      ref_log_probs [T_total]
     old_log_prob   old_log_probs [T_total]
-    actor (train)  updates the actor, then syncs the rollout copy
+    actor (train)  updates the actor (then syncs a separate rollout copy, if any)
     values, critic, reward_shaping, filter_groups: see ``distflow.stages_ppo``
 """
 
@@ -43,8 +43,8 @@ def run_rollout(worker, node: PlannedNode) -> None:
                             spec.rollout.top_k, spec.data.max_response_length,
                             spec.rollout.micro_batch_size, share_prefill=spec.rollout.share_prefill)
     seed = hash((spec.trainer.seed, worker.step, worker.rollout_dp_rank)) & 0x7FFFFFFF
-    batch = generate(worker.rollout_model, worker.tokenizer, prompts, group_index, params,
-                     seed, worker.device)
+    with worker.rollout.policy(worker.metrics) as model:
+        batch = generate(model, worker.tokenizer, prompts, group_index, params, seed, worker.device)
     worker.coordinator.produce(node.id, batch)
     resp = batch.sample_fields["response_len"].double()
     worker.metrics.add_mean("response_length/mean", resp.sum(), resp.numel())
@@ -118,9 +118,10 @@ def run_old_log_prob(worker, node: PlannedNode) -> None:
 
 def run_actor_update(worker, node: PlannedNode) -> None:
     worker.actor.update(worker.coordinator.batch, worker.metrics)
-    with worker.metrics.timer("weight_sync"):  # part of the actor stage's time, shown on its own
-        moved = worker.actor.sync_rollout(worker.rollout_model)
-    worker.metrics.add_sum("perf/weight_sync_bytes", moved)
+    if not worker.rollout.shared:  # a separate rollout copy: refresh it (part of the actor stage's time)
+        with worker.metrics.timer("weight_sync"):
+            moved = worker.rollout.sync()
+        worker.metrics.add_sum("perf/weight_sync_bytes", moved)
 
 
 def run_custom(worker, node: PlannedNode) -> None:

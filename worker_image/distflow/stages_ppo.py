@@ -188,7 +188,8 @@ def _generate_round(worker, rnd: int) -> PackedBatch:
                             spec.data.max_response_length, spec.rollout.micro_batch_size,
                             share_prefill=spec.rollout.share_prefill)
     seed = hash((spec.trainer.seed, worker.step, worker.rollout_dp_rank, rnd)) & 0x7FFFFFFF
-    batch = generate(worker.rollout_model, worker.tokenizer, prompts, group_index, params, seed, worker.device)
+    with worker.rollout.policy(worker.metrics) as model:
+        batch = generate(model, worker.tokenizer, prompts, group_index, params, seed, worker.device)
     record_of = dict(zip(group_index, records))
     texts = response_texts(worker.tokenizer, batch)
     groups = batch.sample_fields["group_index"].tolist()

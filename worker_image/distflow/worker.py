@@ -154,11 +154,14 @@ class DagWorker:
         _seed_everything(spec.trainer.seed)
         self.tokenizer = load_tokenizer(env.model_dir)
         mesh = fsdp.dp_mesh(self.device, env.world_size)
-        self.rollout_model = load_causal_lm(env.model_dir, spec.model.dtype).to(self.device).eval()
+        copy = None
+        if not spec.rollout.share_actor_weights:
+            copy = load_causal_lm(env.model_dir, spec.model.dtype).to(self.device).eval()
         actor_model = load_causal_lm(env.model_dir, spec.model.dtype).to(self.device)
         if spec.model.gradient_checkpointing:
             actor_model.gradient_checkpointing_enable()
         self.actor_model = fsdp.apply_fsdp(actor_model, mesh)
+        self.rollout = fsdp.RolloutWeights(self.actor_model, copy)
         self.actor = Actor.build(spec, self.actor_model, self.tokenizer.pad_token_id,
                                  env.world_size, self.device)
         self.ref_model = None
@@ -213,8 +216,8 @@ class DagWorker:
                                 share_prefill=self.spec.rollout.share_prefill)
         # "Step" -1: apart from every training step's rollout seed (stages.rollout hashes the same tuple).
         seed = hash((self.spec.trainer.seed, -1, self.rollout_dp_rank)) & 0x7FFFFFFF
-        batch = generate(self.rollout_model, self.tokenizer, prompts, list(range(len(prompts))),
-                         params, seed, self.device)
+        with self.rollout.policy() as model:
+            batch = generate(model, self.tokenizer, prompts, list(range(len(prompts))), params, seed, self.device)
         texts = response_texts(self.tokenizer, batch)
         records = [rec for rec in self.eval_records for _ in range(val.n)]
         scores = compute_scores(texts, records, self.spec.data.reward_fn)

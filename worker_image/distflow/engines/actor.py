@@ -117,7 +117,3 @@ class Actor:
         metrics.add_mean("actor/grad_norm", grad_norm, 1.0)
         metrics.add_mean("actor/lr", self.optimizer.param_groups[0]["lr"], 1.0)
 
-    def sync_rollout(self, rollout_model: torch.nn.Module) -> int:
-        """All-gather the updated weights into the rollout copy; bytes gathered."""
-        return fsdp.sync_rollout_weights(self.model, rollout_model)
-

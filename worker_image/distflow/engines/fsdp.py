@@ -4,19 +4,24 @@ Parallelism lives here, apart from model code (torchtitan's split): the model
 is an ordinary transformers causal LM; ``apply_fsdp`` shards each decoder
 layer and then the root over a 1-D dp mesh.
 
-The rollout engine keeps its own unsharded copy of the policy (what vLLM
-would hold); ``sync_rollout_weights`` all-gathers the updated shards into it
-after every optimizer step.
+The rollout engine generates with the policy's weights in one of two ways
+(``RolloutWeights``, ``rollout.shareActorWeights``): by default with the
+actor's own FSDP module, unsharded for the rollout (one all-gather per FSDP
+unit, kept through the hundreds of forwards of ``generate``, resharded
+after); or with its own unsharded copy (what a vLLM-style engine holds),
+which ``sync_rollout_weights`` refreshes after every optimizer step.
 """
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Iterator
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor
 
 
@@ -79,6 +84,95 @@ def sync_rollout_weights(actor: torch.nn.Module, rollout_model: torch.nn.Module)
         dst.copy_(full.to(dst.device, dst.dtype))
         moved += full.numel() * full.element_size()
     return moved
+
+
+def _fsdp_modules(model: torch.nn.Module) -> list[FSDPModule]:
+    return [m for m in model.modules() if isinstance(m, FSDPModule)]
+
+
+@contextmanager
+def unsharded(model: torch.nn.Module) -> Iterator[torch.nn.Module]:
+    """``model`` (FSDP2, as ``apply_fsdp`` built it) with full parameters inside the block.
+
+    Every FSDP unit all-gathers its parameters once on entry and keeps them
+    through any number of forwards (``set_reshard_after_forward(False)``,
+    FSDP2's setting for evaluation), then reshards on exit and goes back to
+    ``apply_fsdp``'s setting: decoder layers reshard after forward, the root
+    does not. For inference only (no backward inside the block). A module
+    without FSDP units is yielded as is.
+    """
+    units = _fsdp_modules(model)
+    if not units:
+        yield model
+        return
+    for unit in units:
+        unit.set_reshard_after_forward(False, recurse=False)
+        unit.unshard()
+    try:
+        yield model
+    finally:
+        for unit in units:
+            unit.reshard()
+            unit.set_reshard_after_forward(unit is not model, recurse=False)
+
+
+def unsharded_nbytes(model: torch.nn.Module) -> int:
+    """Bytes of the full (unsharded) parameters: what ``unsharded`` all-gathers per rank."""
+    total = 0
+    for param in model.parameters():
+        data = param.data
+        shape = data.shape if not isinstance(data, DTensor) else data.size()
+        total += data.element_size() * int(torch.Size(shape).numel())
+    return total
+
+
+class RolloutWeights:
+    """The policy weights the rollout engine generates with.
+
+    Shared (``copy`` is None): the actor's FSDP module itself, unsharded
+    for each rollout (``unsharded``): no second copy in memory and nothing to
+    sync after an update. Copy: a separate unsharded model, refreshed from
+    the actor's shards by ``sync`` after every optimizer step.
+    """
+
+    def __init__(self, actor_model: torch.nn.Module, copy: torch.nn.Module | None = None) -> None:
+        self.actor_model = actor_model
+        self.copy = copy
+
+    @property
+    def shared(self) -> bool:
+        return self.copy is None
+
+    @contextmanager
+    def policy(self, metrics=None) -> Iterator[torch.nn.Module]:
+        """The model to call ``generate`` on inside the block.
+
+        Shared weights are all-gathered on entry; with ``metrics`` that costs
+        ``timing_s/weight_sync`` and ``perf/weight_sync_bytes`` (bytes
+        all-gathered by this rank).
+        """
+        if not self.shared:
+            yield self.copy
+            return
+        if metrics is None:
+            with unsharded(self.actor_model) as model:
+                yield model
+            return
+        with metrics.timer("weight_sync"):
+            context = unsharded(self.actor_model)
+            model = context.__enter__()
+        metrics.add_sum("perf/weight_sync_bytes", unsharded_nbytes(self.actor_model))
+        try:
+            yield model
+        finally:
+            context.__exit__(None, None, None)
+
+    def sync(self) -> int:
+        """After an optimizer step (or a checkpoint load): refresh a copy; bytes all-gathered
+        (0 when shared: the next ``policy`` gathers)."""
+        if self.shared:
+            return 0
+        return sync_rollout_weights(self.actor_model, self.copy)
 
 
 def grad_norm_and_clip(model: torch.nn.Module, max_norm: float) -> float:
