@@ -205,8 +205,14 @@ def run(settings: Settings = Settings(), rounds: int = 2, timeout_s: float = 120
     the comparison needs at least one finished run of each.
 
     Raises:
-        RuntimeError: a framework has no finished run (its errors attached).
+        RuntimeError: a framework has no finished run (its errors attached), or TRL is not installed.
     """
+    import importlib.util
+
+    missing = [m for m in ("trl", "datasets") if importlib.util.find_spec(m) is None]
+    if missing:
+        raise RuntimeError(f"the end-to-end benchmark needs {' and '.join(missing)}: "
+                           "install the bench extra (pip install -e '.[bench]')")
     runs = {"distflow": [], "trl": []}
     order = ("distflow", "trl")
     with tempfile.TemporaryDirectory(prefix="distflow-bench-e2e-") as tmp:

@@ -60,8 +60,41 @@ def test_node_of_rank_groups_contiguous_ranks():
 def test_user_workflow_in_declaration_order():
     wf = _nodes(("gen", "rollout", "inference", []), ("score", "reward", "compute", ["gen"]),
                 ("adv", "advantage", "compute", ["score"]), ("train", "actor", "train", ["adv"]))
-    plan = build_plan(_spec(workflow=wf))
+    plan = build_plan(_spec(workflow=wf, algorithm={"useKlLoss": False}))
     assert [n.id for n in plan.chain] == ["gen", "score", "adv", "train"]
+
+
+NO_KL = {"useKlLoss": False}
+
+
+@pytest.mark.parametrize("wf, algorithm, message", [
+    (_nodes(("gen", "rollout", "inference", []), ("train", "actor", "train", ["gen"])), NO_KL,
+     r"nodes\[1\] \(train\)\.deps: role actor reads advantages, which no node it depends on produces; "
+     "add a node with role advantage"),
+    (_nodes(("gen", "rollout", "inference", []), ("score", "reward", "compute", ["gen"]),
+            ("adv", "advantage", "compute", ["score"]), ("train", "actor", "train", ["adv"])), {},
+     "role actor reads ref_log_probs.*add a node with role reference"),
+    (_nodes(("gen", "rollout", "inference", []), ("score", "reward", "compute", []),
+            ("adv", "advantage", "compute", ["score"]), ("train", "actor", "train", ["adv"])), NO_KL,
+     r"nodes\[1\] \(score\)\.deps: nothing it depends on leads to the rollout node"),
+    (_nodes(("gen", "rollout", "inference", []), ("score", "reward", "compute", ["gen"]),
+            ("adv", "advantage", "compute", ["score"]), ("train", "actor", "train", ["adv"])),
+     {**NO_KL, "advantageEstimator": "gae"}, "role advantage reads values.*role values"),
+    (_nodes(("gen", "rollout", "inference", []), ("adv", "advantage", "compute", ["gen"]),
+            ("train", "actor", "train", ["adv"])), NO_KL,
+     "role advantage reads token_level_scores.*role reward or reward_shaping"),
+])
+def test_a_node_reading_a_field_nothing_upstream_produces_is_rejected(wf, algorithm, message):
+    with pytest.raises(DistflowConfigError, match=message):
+        build_plan(_spec(workflow=wf, algorithm=algorithm))
+
+
+def test_below_a_custom_node_any_field_may_exist():
+    wf = {"nodes": [{"id": "gen", "role": "rollout", "kind": "inference"},
+                    {"id": "mine", "role": "custom", "kind": "compute", "deps": ["gen"], "function": "m:f"},
+                    {"id": "train", "role": "actor", "kind": "train", "deps": ["mine"]}]}
+    plan = build_plan(_spec(workflow=wf, algorithm=NO_KL))
+    assert [n.id for n in plan.chain] == ["gen", "mine", "train"]
 
 
 @pytest.mark.parametrize("wf, message", [

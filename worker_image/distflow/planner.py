@@ -199,6 +199,63 @@ def _validate_nodes(nodes: list[WorkflowNodeSpec]) -> list[str]:
     return problems + _filter_problems(nodes)
 
 
+def _reads(role: str, spec: JobSpec) -> list[tuple[str, tuple[str, ...]]]:
+    """(field, roles that produce it) for each field a node of ``role`` reads."""
+    alg = spec.algorithm
+    scores = ("token_level_scores", ("reward", "reward_shaping"))
+    reads = {
+        "reward": [], "reference": [], "old_log_prob": [], "values": [],
+        "filter_groups": [("scores", ("reward",))],
+        "reward_shaping": [("scores", ("reward",))]
+        + ([("ref_log_probs", ("reference",)), ("old_log_probs", ("old_log_prob",))] if alg.use_kl_in_reward else []),
+        "advantage": [scores] + ([("values", ("values",))] if alg.advantage_estimator == "gae" else []),
+        "critic": [("values", ("values",)), ("returns", ("advantage",))],
+        "actor": [("advantages", ("advantage",))]
+        + ([("ref_log_probs", ("reference",))] if alg.use_kl_loss else [])
+        + ([("old_log_probs", ("old_log_prob",))] if _needs_old_log_probs(spec) else []),
+    }
+    return reads.get(role, [])
+
+
+def _data_problems(nodes: list[WorkflowNodeSpec], spec: JobSpec) -> list[str]:
+    """Every field a node reads must come from a node it depends on (directly or not).
+
+    The rollout's samples must reach every node. Below a custom node anything
+    may have been produced, so only the rollout is checked there.
+    """
+    by_id = {n.id: n for n in nodes}
+
+    def upstream(node: WorkflowNodeSpec) -> list[WorkflowNodeSpec]:
+        seen: dict[str, WorkflowNodeSpec] = {}
+        todo = list(node.deps)
+        while todo:
+            d = todo.pop()
+            if d not in seen and d in by_id:
+                seen[d] = by_id[d]
+                todo.extend(by_id[d].deps)
+        return list(seen.values())
+
+    problems = []
+    for i, n in enumerate(nodes):
+        if n.role == "rollout":
+            continue
+        path = f"spec.workflow.nodes[{i}] ({n.id})"
+        above = upstream(n)
+        roles = {u.role for u in above}
+        if "rollout" not in roles:
+            problems.append(f"{path}.deps: nothing it depends on leads to the rollout node, so it has no "
+                            "samples; add the rollout node (or a node after it) to its deps")
+            continue
+        if "custom" in roles:
+            continue
+        for field, producers in _reads(n.role, spec):
+            if not roles & set(producers):
+                problems.append(f"{path}.deps: role {n.role} reads {field}, which no node it depends on "
+                                f"produces; add a node with role {' or '.join(producers)} to its deps "
+                                "(directly or through another node)")
+    return problems
+
+
 def _filter_problems(nodes: list[WorkflowNodeSpec]) -> list[str]:
     """A filter_groups node replaces the step's samples: every node not upstream of it must run after it."""
     deps = {n.id: n.deps for n in nodes}
@@ -304,6 +361,8 @@ def build_plan(spec: JobSpec) -> Plan:
     if cycle := _find_cycle(nodes):
         raise DistflowConfigError(
             f"spec.workflow.nodes: cycle {' -> '.join(cycle)}; a workflow must be acyclic")
+    if problems := _data_problems(nodes, spec):
+        raise DistflowConfigError(problems)
     world = spec.world_size
     tp = spec.rollout.tensor_parallel_size
     layouts = {
