@@ -59,7 +59,7 @@ def preflight(spec: JobSpec) -> None:
 
     build_plan(spec)
     for name, ds in (("train", spec.data.train), ("eval", spec.data.eval)):
-        if ds is None or ds.path.partition(":")[0] in BUILTIN_TASKS:
+        if ds is None or ds.arithmetic_split is not None:
             continue
         if not Path(ds.path).is_file():
             raise DistflowConfigError(

@@ -76,6 +76,13 @@ class DatasetSpec(_Spec):
     max_operand: int = Field(default=99, ge=1)
     """arithmetic task: largest operand."""
 
+    @property
+    def arithmetic_split(self) -> str | None:
+        """The split of the built-in arithmetic task (`arithmetic` is `arithmetic:train`),
+        or None when `path` names a file."""
+        task, _, split = self.path.partition(":")
+        return (split or "train") if task == "arithmetic" else None
+
 
 class DataSpec(_Spec):
     train: DatasetSpec
@@ -513,9 +520,9 @@ def _source_problems(spec: JobSpec):
                f"or give a user function as module:function (or path/to/file.py:function)")
     for name in ("train", "eval"):
         ds = getattr(spec.data, name)
-        if ds is None or not (ds.path == "arithmetic" or ds.path.startswith("arithmetic:")):
+        split = ds.arithmetic_split if ds is not None else None
+        if split is None:
             continue
-        split = ds.path.partition(":")[2] or "train"
         if split not in ARITHMETIC_SPLITS:
             yield f"data.{name}.path: unknown arithmetic split {split!r}; use arithmetic:train or arithmetic:eval"
         elif name == "eval" and split == "train":

@@ -350,10 +350,9 @@ class DagWorker:
 
 def prompt_source(ds):
     """The PromptSource of a DatasetSpec (a file, or a built-in task with its difficulty)."""
-    if ds.path == "arithmetic" or ds.path.startswith("arithmetic:"):
+    if (split := ds.arithmetic_split) is not None:
         task = ArithmeticTask(min_operand=ds.min_operand, max_operand=ds.max_operand)
-        return ArithmeticSource(num_records=ds.size or 4096, seed=ds.seed,
-                                split=ds.path.partition(":")[2] or "train", task=task)
+        return ArithmeticSource(num_records=ds.size or 4096, seed=ds.seed, split=split, task=task)
     return open_source(ds.path, size=ds.size, seed=ds.seed)
 
 
