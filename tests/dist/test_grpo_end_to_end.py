@@ -3,68 +3,30 @@
 - centralized and distributed data planes give identical parameters;
 - a run killed mid-way and resumed gives the same parameters as an
   uninterrupted run;
-- a 2-rank run takes the same optimizer step as 1 rank on the same samples
-  when rollouts are made identical (temperature 0) — the loss normalisation
-  does not depend on how samples are split.
+(that the loss and gradients do not depend on how samples are split over
+ranks is tests/dist/test_loss_rank_invariance.py).
 """
 
-import json
 import os
-from pathlib import Path
 
 import pytest
 import torch
-
+from _jobs import initial_params, merged, run_job, tiny_job_spec
 from distflow.checkpoint import complete_checkpoints
 from distflow.launcher import launch_local
-from distflow.metrics import read_jsonl
-from distflow.spec import parse_spec
 
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(600)]
 
-
-def _varied_prompts(path, n=64):
-    """verl-schema jsonl with prompts of very different lengths, so balancing moves samples."""
-    with open(path, "w") as f:
-        for i in range(n):
-            words = " ".join(["and then add one more"] * (1 + (i * 7) % 9))
-            row = {"data_source": "arithmetic", "prompt": [{"role": "user", "content": f"Start at {i} {words}."}],
-                   "ability": "math", "reward_model": {"style": "rule", "ground_truth": str(i)},
-                   "extra_info": {"index": i}}
-            f.write(json.dumps(row) + "\n")
-    return str(path)
+GRPO = {"data": {"shuffle": True}, "algorithm": {"useKlLoss": True, "klLossCoef": 0.01}}
 
 
 def _spec(tmp_path, name, **over):
-    doc = {
-        "model": {"path": "tiny"},
-        "data": {"train": {"path": _varied_prompts(tmp_path / "train.jsonl")}, "trainBatchSize": 4,
-                 "maxPromptLength": 96, "maxResponseLength": 6, "shuffle": True,
-                 "rewardFn": f"{Path(__file__).with_name('toy_rewards.py')}:distinct_chars"},
-        "rollout": {"n": 2, "temperature": 1.0},
-        "algorithm": {"useKlLoss": True, "klLossCoef": 0.01},
-        "actor": {"lr": 1e-3, "microBatchSize": 3},
-        "cluster": {"numNodes": 2, "procsPerNode": 1, "device": "cpu"},
-        "trainer": {"totalSteps": 2, "seed": 3, "logDir": str(tmp_path / name), "numThreads": 1},
-        "checkpoint": {"dir": str(tmp_path / name / "ckpt")},
-    }
-    for key, value in over.items():
-        doc[key] = {**doc.get(key, {}), **value}
-    return parse_spec(doc)
-
-
-def _final_params(spec) -> dict[str, torch.Tensor]:
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-
-    last = complete_checkpoints(spec.checkpoint.dir)[-1]
-    out = last.parent / "final.pt"
-    dcp_to_torch_save(str(last), str(out))
-    return torch.load(out, weights_only=False)["model"]
+    return tiny_job_spec(tmp_path, name, **merged(GRPO, over))
 
 
 def _run(spec, name="job", **kw):
-    launch_local(spec, name, progress=False, **kw)
-    return _final_params(spec), read_jsonl(f"{spec.trainer.log_dir}/metrics.jsonl")
+    checkpoint, log = run_job(spec, name, **kw)
+    return checkpoint["model"], log
 
 
 @pytest.mark.parametrize("share", [True, False], ids=["prompt-groups", "single-samples"])
@@ -76,19 +38,12 @@ def test_centralized_and_distributed_give_identical_parameters(tmp_path, share):
     assert dist_params.keys() == cent_params.keys()
     for k in dist_params:
         assert torch.equal(dist_params[k], cent_params[k]), k
-    initial = _initial_params()
+    initial = initial_params()
     assert any(not torch.equal(initial[k], v) for k, v in dist_params.items()), "training changed nothing"
     # The balanced edge really moved samples, and rank 0 carried everything when centralized.
     assert sum(r["data/busiest_rank_bytes"] for r in dist_log) > 0
     assert sum(r["data/busiest_rank_bytes"] for r in cent_log) > sum(r["data/busiest_rank_bytes"] for r in dist_log)
     assert [r["critic/score/mean"] for r in dist_log] == [r["critic/score/mean"] for r in cent_log]
-
-
-def _initial_params():
-    from distflow.models import load_causal_lm, resolve_model
-    from distflow.worker import model_cache_dir
-
-    return load_causal_lm(resolve_model("tiny", model_cache_dir())).state_dict()
 
 
 def test_resume_after_kill_matches_uninterrupted_run(tmp_path):

@@ -13,38 +13,17 @@
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
 import pytest
 import torch
-
-from distflow.checkpoint import complete_checkpoints
+from _jobs import initial_params, run_job, tiny_job_spec
 from distflow.launcher import launch_local
-from distflow.metrics import read_jsonl
-from distflow.spec import parse_spec
-from test_grpo_end_to_end import _initial_params, _varied_prompts
 
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(1800)]
 
-REWARDS = Path(__file__).with_name("toy_rewards.py")
-
 
 def _spec(tmp_path, name, workflow, reward="distinct_chars", **over):
-    doc = {
-        "model": {"path": "tiny"},
-        "data": {"train": {"path": _varied_prompts(tmp_path / "train.jsonl")}, "trainBatchSize": 4,
-                 "maxPromptLength": 96, "maxResponseLength": 6, "rewardFn": f"{REWARDS}:{reward}"},
-        "rollout": {"n": 2, "temperature": 1.0},
-        "workflow": workflow,
-        "actor": {"lr": 1e-3, "microBatchSize": 3},
-        "critic": {"lr": 1e-3, "microBatchSize": 3},
-        "cluster": {"numNodes": 2, "procsPerNode": 1, "device": "cpu"},
-        "trainer": {"totalSteps": 2, "seed": 3, "logDir": str(tmp_path / name), "numThreads": 1},
-        "checkpoint": {"dir": str(tmp_path / name / "ckpt")},
-    }
-    for key, value in over.items():
-        doc[key] = {**doc.get(key, {}), **value}
-    return parse_spec(doc)
+    return tiny_job_spec(tmp_path, name, reward, workflow=workflow, **over)
 
 
 def _ppo(tmp_path, name, **over):
@@ -52,18 +31,8 @@ def _ppo(tmp_path, name, **over):
     return _spec(tmp_path, name, {"name": "ppo"}, algorithm=kl, **over)
 
 
-def _checkpoint(spec) -> dict:
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-
-    last = complete_checkpoints(spec.checkpoint.dir)[-1]
-    out = last.parent / "final.pt"
-    dcp_to_torch_save(str(last), str(out))
-    return torch.load(out, weights_only=False)
-
-
 def _run(spec):
-    launch_local(spec, "job", progress=False)
-    return _checkpoint(spec), read_jsonl(f"{spec.trainer.log_dir}/metrics.jsonl")
+    return run_job(spec)
 
 
 def _assert_same(a: dict, b: dict, keys=("model", "critic")) -> None:
@@ -77,7 +46,7 @@ def test_ppo_centralized_and_distributed_give_identical_actor_and_critic(tmp_pat
     dist_ckpt, dist_log = _run(_ppo(tmp_path, "distributed"))
     cent_ckpt, cent_log = _run(_ppo(tmp_path, "centralized", dataPlane={"mode": "centralized"}))
     _assert_same(dist_ckpt, cent_ckpt)
-    initial = _initial_params()
+    initial = initial_params()
     assert any(not torch.equal(initial[k], v) for k, v in dist_ckpt["model"].items()), "the actor did not train"
     for key in ("critic/vf_loss", "critic/vf_explained_var", "critic/values/mean", "actor/reward_kl_penalty",
                 "critic/score/mean", "actor/pg_loss"):
@@ -140,5 +109,5 @@ def test_custom_node_output_is_what_the_next_nodes_see(tmp_path):
     # The reward node scored the responses, but the advantage saw the custom node's zeros: no update at all.
     assert log[0]["critic/score/mean"] > 0 and log[0]["critic/advantages/mean"] == 0.0
     assert log[0]["actor/grad_norm"] == 0.0
-    initial = _initial_params()
+    initial = initial_params()
     assert all(torch.equal(initial[k], v) for k, v in ckpt["model"].items())

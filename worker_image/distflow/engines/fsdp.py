@@ -14,7 +14,7 @@ which ``sync_rollout_weights`` refreshes after every optimizer step.
 
 from __future__ import annotations
 
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Iterator
 
@@ -154,18 +154,12 @@ class RolloutWeights:
         if not self.shared:
             yield self.copy
             return
-        if metrics is None:
-            with unsharded(self.actor_model) as model:
-                yield model
-            return
-        with metrics.timer("weight_sync"):
-            context = unsharded(self.actor_model)
-            model = context.__enter__()
-        metrics.add_sum("perf/weight_sync_bytes", unsharded_nbytes(self.actor_model))
-        try:
+        with ExitStack() as stack:
+            with metrics.timer("weight_sync") if metrics is not None else nullcontext():
+                model = stack.enter_context(unsharded(self.actor_model))
+            if metrics is not None:
+                metrics.add_sum("perf/weight_sync_bytes", unsharded_nbytes(self.actor_model))
             yield model
-        finally:
-            context.__exit__(None, None, None)
 
     def sync(self) -> int:
         """After an optimizer step (or a checkpoint load): refresh a copy; bytes all-gathered
