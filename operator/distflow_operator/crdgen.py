@@ -95,7 +95,7 @@ SPEC_RULES: list[dict[str, str]] = [
      "message": "actor.ppoMiniBatchSize: does not divide data.trainBatchSize; use a divisor of it",
      "fieldPath": ".actor.ppoMiniBatchSize", "reason": "FieldValueInvalid"},
     {"rule": f"self.rollout.engine != 'hf' || {_TP} == 1",
-     "message": "rollout.tensorParallelSize: the hf engine runs with 1; set it to 1 or use engine vllm",
+     "message": "rollout.tensorParallelSize: the hf engine runs with 1; set it to 1",
      "fieldPath": ".rollout.tensorParallelSize", "reason": "FieldValueInvalid"},
     {"rule": "oldSelf.runPolicy.suspend || (self.template == oldSelf.template && "
              "self.scheduling == oldSelf.scheduling)",
@@ -138,6 +138,8 @@ def _resolve(node: dict[str, Any], defs: dict[str, Any]) -> dict[str, Any]:
 
 def _structural(node: dict[str, Any], defs: dict[str, Any], path: tuple[str, ...],
                 with_defaults: bool) -> dict[str, Any]:
+    if "const" in node:  # a one-value Literal: an enum of one
+        node = {**{k: v for k, v in node.items() if k != "const"}, "enum": [node["const"]]}
     unknown = set(node) - _HANDLED
     if unknown:
         raise ValueError(f"crdgen: {'.'.join(path)}: unsupported schema keywords {sorted(unknown)}")

@@ -63,3 +63,10 @@ def test_resume_after_kill_matches_uninterrupted_run(tmp_path):
         assert torch.equal(full[k], resumed[k]), k
     # Steps 3 and 4 after resume saw the same samples and rewards as the uninterrupted run.
     assert [r["critic/score/mean"] for r in resumed_log[-2:]] == [r["critic/score/mean"] for r in full_log[-2:]]
+
+
+@pytest.mark.timeout(300)
+def test_an_error_on_one_rank_fails_the_job_instead_of_hanging(tmp_path):
+    spec = _spec(tmp_path, "fails", reward="fails_on_rank_1", checkpoint={"dir": None})
+    with pytest.raises(Exception, match="reward failed on rank 1"):
+        launch_local(spec, "job", progress=False)

@@ -10,3 +10,12 @@ def odd_length(response: str, ground_truth: str, extra_info: dict | None = None)
     """1 for a response of odd character length, else 0: the two responses of a group often tie,
     so DAPO's dynamic sampling has groups to drop and refill."""
     return float(len(response) % 2)
+
+
+def fails_on_rank_1(response: str, ground_truth: str, extra_info: dict | None = None) -> float:
+    """Raises in the worker of rank 1 only (rank 0 goes on into the next collective)."""
+    import torch.distributed as dist
+
+    if dist.get_rank() == 1:
+        raise RuntimeError("reward failed on rank 1")
+    return 0.0

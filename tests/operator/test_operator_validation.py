@@ -112,7 +112,7 @@ REJECTED = [
 
 # Cross-field size rules: the API server (CEL) and distflow.spec reject them naming the same field.
 CROSS_FIELD = [
-    {"rollout": {"tensorParallelSize": 3, "engine": "vllm"}},
+    {"rollout": {"tensorParallelSize": 3}},
     {"data": {"trainBatchSize": 3}},
     {"data": {"trainBatchSize": 4}, "actor": {"ppoMiniBatchSize": 3}},
     {"rollout": {"tensorParallelSize": 2}},

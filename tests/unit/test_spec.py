@@ -48,7 +48,7 @@ def test_camel_and_snake_case_are_both_accepted():
      "spec.data.trainBatchSize", "multiple of 2"),
     ({**MINIMAL, "actor": {"ppoMiniBatchSize": 3}}, "spec.actor.ppoMiniBatchSize", "divisor of 8"),
     ({**MINIMAL, "rollout": {"tensorParallelSize": 2}, "cluster": {"numNodes": 2}},
-     "spec.rollout.tensorParallelSize", "engine vllm"),
+     "spec.rollout.tensorParallelSize", "set it to 1"),
     ({**MINIMAL, "dataPlane": {"mode": "driver"}}, "spec.dataPlane.mode", "centralized"),
     ({**MINIMAL, "rollout": {"val": {"n": 4}}}, "spec.rollout.val.n", "set rollout.val.temperature > 0"),
     ({**MINIMAL, "model": {"path": "tiny:llama"}}, "spec.model.path", "tiny:<auto|byte|smollm2>"),
@@ -138,3 +138,64 @@ def test_preflight_rejects_missing_data_file_and_cycle_before_workers(tmp_path):
     with pytest.raises(DistflowConfigError, match="cycle"):
         preflight(parse_spec({**MINIMAL, "workflow": {"nodes": nodes}}))
     preflight(parse_spec(MINIMAL))
+
+
+def test_local_run_on_cuda_without_a_gpu_fails_before_any_worker(monkeypatch):
+    import torch
+    import torch.multiprocessing as mp
+
+    from distflow.launcher import launch_local
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(mp, "spawn", lambda *a, **k: pytest.fail("a worker was started"))
+    spec = parse_spec({**MINIMAL, "cluster": {"device": "cuda"}})
+    with pytest.raises(DistflowConfigError, match="spec.cluster.device: cuda requested but torch sees no GPU"):
+        launch_local(spec, "job", progress=False)
+
+
+@pytest.mark.parametrize("override, expected", [
+    ("data.systemPrompt=Reply #1 only", "Reply #1 only"),
+    ("data.systemPrompt=Answer: the number only", "Answer: the number only"),
+    ("trainer.totalSteps=7", 7),
+    ("rollout.val.temperature=0.5", 0.5),
+    ("data.eval=null", None),
+])
+def test_set_values_are_yaml_scalars_and_text_stays_text(override, expected):
+    from distflow.spec import apply_overrides
+
+    doc = apply_overrides({"data": {}}, [override])
+    key, _, _ = override.partition("=")
+    node = doc
+    for part in key.split("."):
+        node = node[part]
+    assert node == expected
+
+
+def test_set_value_with_broken_brackets_and_binary_config_are_clear_errors(tmp_path):
+    from distflow.spec import apply_overrides, load_job_spec
+
+    with pytest.raises(DistflowConfigError, match=r"--set rollout.n: '\[1,2' is not a valid YAML list"):
+        apply_overrides({}, ["rollout.n=[1,2"])
+    binary = tmp_path / "config.yaml"
+    binary.write_bytes(bytes(range(128, 256)))
+    with pytest.raises(DistflowConfigError, match="not a text file"):
+        load_job_spec(binary)
+
+
+def test_group_estimator_with_one_response_per_prompt_is_rejected():
+    with pytest.raises(DistflowConfigError, match="spec.rollout.n: grpo compares each response"):
+        parse_spec({**MINIMAL, "rollout": {"n": 1}})
+    parse_spec({**MINIMAL, "rollout": {"n": 1}, "algorithm": {"advantageEstimator": "reinforce_plus_plus"}})
+
+
+def test_preflight_checks_reward_function_and_data_format(tmp_path):
+    from distflow.launcher import preflight
+
+    with pytest.raises(DistflowConfigError, match="spec.data.rewardFn: reward 'no_such_module:f'"):
+        preflight(parse_spec({**MINIMAL, "data": {**MINIMAL["data"], "rewardFn": "no_such_module:f"}}))
+    table = tmp_path / "train.csv"
+    table.write_text("question,answer\n")
+    with pytest.raises(DistflowConfigError, match=r"spec.data.train.path: .*train.csv' is not a .jsonl"):
+        preflight(parse_spec({**MINIMAL, "data": {"train": {"path": str(table)}}}))
+    with pytest.raises(DistflowConfigError, match="exactly one node must have role rollout"):
+        preflight(parse_spec({**MINIMAL, "workflow": {"nodes": []}}))

@@ -47,13 +47,16 @@ def resolve_model_dir(spec: JobSpec) -> str:
 
 
 BUILTIN_TASKS = ("arithmetic",)
+DATA_SUFFIXES = (".jsonl", ".json", ".parquet")
 
 
 def preflight(spec: JobSpec) -> None:
-    """Everything that can be checked before a worker starts: the plan and the data files.
+    """Everything that can be checked before a worker starts: the plan, the data files and the
+    reward function (a user function is imported).
 
     Raises:
-        DistflowConfigError: an invalid workflow, or a data file that does not exist.
+        DistflowConfigError: an invalid workflow, a data file that does not exist or has an
+            unknown extension, or a reward function that cannot be loaded.
     """
     from distflow.planner import build_plan
 
@@ -65,12 +68,36 @@ def preflight(spec: JobSpec) -> None:
             raise DistflowConfigError(
                 f"spec.data.{name}.path: no such file {ds.path!r}; give an existing .jsonl or .parquet "
                 f"file (e.g. --set data.{name}.path=PATH) or a built-in task: {', '.join(BUILTIN_TASKS)}")
+        if Path(ds.path).suffix.lower() not in DATA_SUFFIXES:
+            raise DistflowConfigError(
+                f"spec.data.{name}.path: {ds.path!r} is not a .jsonl, .json or .parquet file; "
+                "convert it (one JSON object per line, or parquet)")
+    if spec.data.reward_fn is not None:
+        from distflow.rewards import load_reward_fn
+
+        try:
+            load_reward_fn(spec.data.reward_fn)  # imports a user function: fails here, not in every worker
+        except ValueError as err:
+            raise DistflowConfigError(f"spec.data.rewardFn: {err}") from None
+
+
+def _die_with_parent() -> None:
+    """Linux: this process gets SIGTERM when the launcher dies (``kill`` of ``distflow run``),
+    instead of living on, blocked in a collective, holding its memory."""
+    import ctypes
+    import signal
+    import sys
+
+    if sys.platform.startswith("linux"):
+        pr_set_pdeathsig = 1
+        ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
 
 
 def _local_worker_main(index: int, spec: JobSpec, base, with_progress: bool):
     """Worker ``index`` of a local run: node = index // procsPerNode."""
     from distflow.worker import run_worker
 
+    _die_with_parent()
     per_node = spec.cluster.procs_per_node
     node_rank, local_rank = divmod(index, per_node)
     port = base.metrics_port + node_rank if base.metrics_port and local_rank == 0 else 0
@@ -83,17 +110,22 @@ def launch_local(spec: JobSpec, job_name: str, resume: bool = True, progress: bo
     """Run the whole job on this machine (blocks until every worker exits).
 
     Raises:
-        DistflowConfigError: before any worker starts, if the model cannot be resolved.
+        DistflowConfigError: before any worker starts, if the model cannot be resolved or
+            ``cluster.device`` is cuda on a machine without a visible GPU.
         torch.multiprocessing.ProcessRaisedException: a worker failed (the others are stopped).
     """
+    import torch
     import torch.multiprocessing as mp
 
     from distflow.worker import WorkerEnv
 
     preflight(spec)
-    if not resume:
+    if spec.cluster.device == "cuda" and not torch.cuda.is_available():
+        raise DistflowConfigError("spec.cluster.device: cuda requested but torch sees no GPU on this machine; "
+                                  "use cpu or auto (--set cluster.device=auto)")
+    model_dir = resolve_model_dir(spec)  # a bad model path fails here, before the previous run is moved
+    if not resume or spec.checkpoint.resume == "never":
         set_aside_previous_run(spec)
-    model_dir = resolve_model_dir(spec)
     cluster = spec.cluster
     # Every worker shares this machine: local_world_size counts them all (CPU threads per worker).
     base = WorkerEnv(rank=0, world_size=spec.world_size, local_rank=0,

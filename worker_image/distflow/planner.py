@@ -27,13 +27,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from distflow.errors import DistflowConfigError
-from distflow.spec import BUILTIN_WORKFLOWS, NODE_ROLES, JobSpec, WorkflowNodeSpec
+from distflow.spec import BUILTIN_WORKFLOWS, GROUP_ESTIMATORS, NODE_ROLES, JobSpec, WorkflowNodeSpec
 
 ROLLOUT = "rollout"
 TRAIN = "train"
 
 # Estimators whose statistics are per prompt group: they must see whole groups.
-GROUP_ESTIMATORS = frozenset({"grpo", "drgrpo", "rloo", "reinforce_plus_plus_baseline"})
 
 
 @dataclass(frozen=True)
@@ -354,7 +353,7 @@ def build_plan(spec: JobSpec) -> Plan:
             sizes that do not divide.
     """
     wf = spec.workflow
-    nodes = list(wf.nodes) if wf.nodes else builtin_workflow(wf.name or "grpo", spec)
+    nodes = list(wf.nodes) if wf.nodes is not None else builtin_workflow(wf.name or "grpo", spec)
     problems = _validate_nodes(nodes)
     if problems:
         raise DistflowConfigError(problems)

@@ -33,6 +33,8 @@ ADVANTAGE_ESTIMATORS = (
     "grpo", "drgrpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "gae",
 )
 POLICY_LOSSES = ("vanilla", "gspo")
+GROUP_ESTIMATORS = frozenset({"grpo", "drgrpo", "rloo", "reinforce_plus_plus_baseline"})
+"""Estimators whose baseline is the other responses to the same prompt (need rollout.n >= 2)."""
 KL_ESTIMATORS = ("k1", "k2", "k3", "low_var_kl", "abs")
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 BUILTIN_WORKFLOWS = ("grpo", "ppo", "dapo")
@@ -88,7 +90,8 @@ class DataSpec(_Spec):
     train: DatasetSpec
     """Training prompts."""
     eval: DatasetSpec | None = None
-    """Held-out prompts scored greedily before training and every `trainer.evalEverySteps`."""
+    """Held-out prompts scored before training and every `trainer.evalEverySteps`, sampled as
+    `rollout.val` says (greedy by default)."""
     train_batch_size: int = Field(default=8, ge=1)
     """Prompts per step over the whole job (each yields `rollout.n` responses)."""
     max_prompt_length: int = Field(default=256, ge=1)
@@ -127,8 +130,8 @@ class ValSamplingSpec(_Spec):
 
 
 class RolloutSpec(_Spec):
-    engine: Literal["hf", "vllm"] = "hf"
-    """`hf` (transformers `generate`, CPU and GPU) or `vllm` (GPU, when installed)."""
+    engine: Literal["hf"] = "hf"
+    """`hf`: transformers `generate`, on CPU and GPU (the only rollout engine in this version)."""
     n: int = Field(default=4, ge=1)
     """Responses sampled per prompt (the GRPO group size)."""
     temperature: float = Field(default=1.0, ge=0.0)
@@ -138,7 +141,7 @@ class RolloutSpec(_Spec):
     top_k: int = Field(default=0, ge=0)
     """Top-k sampling (0: off)."""
     tensor_parallel_size: int = Field(default=1, ge=1)
-    """Ranks per rollout replica (vllm only; hf runs with 1)."""
+    """Ranks per rollout replica; the hf engine runs with 1."""
     micro_batch_size: int = Field(default=64, ge=1)
     """Sequences generated at once per rank: whole groups, `microBatchSize // n` prompts of
     `n` samples (a group larger than this is split over calls of one prompt)."""
@@ -496,9 +499,13 @@ def _size_problems(spec: JobSpec):
         yield (f"actor.ppoMiniBatchSize: {mini} does not divide data.trainBatchSize={batch}; "
                f"use a divisor of {batch}")
     if spec.rollout.engine == "hf" and tp != 1:
-        yield "rollout.tensorParallelSize: the hf engine runs with 1; set it to 1 or use engine vllm"
+        yield "rollout.tensorParallelSize: the hf engine runs with 1; set it to 1"
     yield from _algorithm_problems(spec)
     yield from _source_problems(spec)
+    estimator = spec.algorithm.advantage_estimator
+    if estimator in GROUP_ESTIMATORS and spec.rollout.n < 2:
+        yield (f"rollout.n: {estimator} compares each response with the others of its prompt, so with "
+               f"{spec.rollout.n} response per prompt every advantage is 0; sample n >= 2 (4-16 is usual)")
 
 
 TINY_TOKENIZERS = ("auto", "byte", "smollm2")
@@ -618,8 +625,27 @@ def apply_overrides(doc: dict[str, Any], overrides: list[str]) -> dict[str, Any]
             node = node.setdefault(part, {})
             if not isinstance(node, dict):
                 raise DistflowConfigError(f"--set {key}: {part} is not a mapping")
-        node[parts[-1]] = yaml.safe_load(raw)
+        node[parts[-1]] = _override_value(key, raw)
     return doc
+
+
+def _override_value(key: str, raw: str) -> Any:
+    """A ``--set`` value as YAML reads it (numbers, booleans, null, [lists], {mappings}), except
+    that text which YAML would cut at `` #`` or turn into a mapping at ``: `` stays the text.
+
+    Raises:
+        DistflowConfigError: a value starting with ``[`` or ``{`` that is not valid YAML.
+    """
+    try:
+        value = yaml.safe_load(raw)
+    except yaml.YAMLError as err:
+        if raw.lstrip().startswith(("[", "{")):
+            raise DistflowConfigError(f"--set {key}: {raw!r} is not a valid YAML list or mapping ({err}); "
+                                      "close the brackets, or quote the text") from None
+        return raw
+    if " #" in raw or (isinstance(value, (dict, list)) and not raw.lstrip().startswith(("[", "{"))):
+        return raw
+    return value
 
 
 def load_job_spec(path: str | Path, overrides: list[str] | None = None) -> JobSpec:
@@ -637,6 +663,8 @@ def load_job_spec(path: str | Path, overrides: list[str] | None = None) -> JobSp
         raise DistflowConfigError(f"{path}: is a directory; give a YAML file") from None
     except yaml.YAMLError as err:
         raise DistflowConfigError(f"{path}: not valid YAML: {err}") from None
+    except UnicodeDecodeError:
+        raise DistflowConfigError(f"{path}: not a text file; give a YAML file") from None
     if doc is None:
         raise DistflowConfigError(f"{path}: the file is empty")
     if not isinstance(doc, dict):

@@ -339,11 +339,19 @@ class DagWorker:
         if self.writer is not None:
             self.writer.write(record)
 
-    def close(self) -> None:
+    def close(self, clean: bool = True) -> None:
+        """Free buffers and leave the process group.
+
+        ``clean``: every rank finished: wait for the others, then tear down.
+        After an error on this rank (``clean=False``) no collective is run: the
+        other ranks may be blocked in one that this rank will never join, and a
+        barrier here would hang the job instead of failing it; the launcher
+        (or the operator, for pods) stops them.
+        """
         self.coordinator.buffer.close()
         if self.coordinator.node_buffer is not None:
             self.coordinator.node_buffer.cleanup()
-        if dist.is_initialized():
+        if dist.is_initialized() and clean:
             dist.barrier()
             dist.destroy_process_group()
 
@@ -361,9 +369,12 @@ def run_worker(spec: JobSpec, env: WorkerEnv, progress=None) -> list[dict[str, f
     configure_malloc()
     worker = DagWorker(spec, env)
     try:
-        return worker.train(progress)
-    finally:
-        worker.close()
+        history = worker.train(progress)
+    except BaseException:
+        worker.close(clean=False)
+        raise
+    worker.close()
+    return history
 
 
 def model_cache_dir() -> Path:

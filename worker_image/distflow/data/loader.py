@@ -69,8 +69,8 @@ class ShardedPromptLoader:
         if batch_size % dp_size:
             lower = batch_size - batch_size % dp_size
             raise ValueError(
-                f"data.batch_size={batch_size} is not divisible by dp_size={dp_size}; "
-                f"set data.batch_size to a multiple of {dp_size} (e.g. {lower or dp_size} or {lower + dp_size})"
+                f"data.trainBatchSize={batch_size} is not divisible by dp_size={dp_size}; "
+                f"set data.trainBatchSize to a multiple of {dp_size} (e.g. {lower or dp_size} or {lower + dp_size})"
             )
         if not 0 <= dp_rank < dp_size:
             raise ValueError(f"data loader: dp_rank={dp_rank} outside [0, dp_size={dp_size})")
@@ -78,8 +78,8 @@ class ShardedPromptLoader:
         self.num_records = self.source.num_records
         if self.num_records < batch_size:
             raise ValueError(
-                f"dataset has {self.num_records} records, fewer than one batch (data.batch_size={batch_size}); "
-                f"lower data.batch_size or use a larger dataset"
+                f"dataset has {self.num_records} records, fewer than one batch (data.trainBatchSize={batch_size}); "
+                f"lower data.trainBatchSize or use a larger dataset"
             )
         self.batch_size = batch_size
         self.dp_rank = dp_rank
