@@ -51,9 +51,9 @@ def test_resume_after_kill_matches_uninterrupted_run(tmp_path):
     ckpt = {"saveEverySteps": 2}
     full, full_log = _run(_spec(tmp_path, "full", trainer=steps, checkpoint=ckpt))
     crashed = _spec(tmp_path, "crashed", trainer=steps, checkpoint=ckpt)
-    os.environ["DISTFLOW_INJECT_FAILURE_AT_STEP"] = "3"
+    os.environ["DISTFLOW_INJECT_FAILURE_AT_STEP"] = "4"  # dies after logging step 3, checkpoint at 2
     try:
-        with pytest.raises(Exception, match="injected failure at step 3"):
+        with pytest.raises(Exception, match="injected failure at step 4"):
             launch_local(crashed, "job", progress=False)
     finally:
         del os.environ["DISTFLOW_INJECT_FAILURE_AT_STEP"]
@@ -63,6 +63,7 @@ def test_resume_after_kill_matches_uninterrupted_run(tmp_path):
         assert torch.equal(full[k], resumed[k]), k
     # Steps 3 and 4 after resume saw the same samples and rewards as the uninterrupted run.
     assert [r["critic/score/mean"] for r in resumed_log[-2:]] == [r["critic/score/mean"] for r in full_log[-2:]]
+    assert [r["training/step"] for r in resumed_log] == [1, 2, 3, 4]  # each step logged once
 
 
 @pytest.mark.timeout(300)

@@ -95,6 +95,23 @@ class JsonlWriter:
         with self.path.open("a") as f:
             f.write(json.dumps(record, sort_keys=True) + "\n")
 
+    def drop_after(self, step: int) -> int:
+        """Resuming at ``step``: remove what a killed run logged for later steps, which are
+        about to run again (``training/step`` in metrics.jsonl, ``step`` in eval_samples.jsonl).
+        Each file is rewritten atomically. Returns the records removed."""
+        removed = 0
+        for path, key in ((self.path, "training/step"), (self.path.parent / "eval_samples.jsonl", "step")):
+            if not path.is_file():
+                continue
+            lines = [line for line in path.read_text().splitlines() if line.strip()]
+            kept = [line for line in lines if json.loads(line).get(key, 0) <= step]
+            if len(kept) < len(lines):
+                removed += len(lines) - len(kept)
+                tmp = path.with_name(path.name + ".tmp")
+                tmp.write_text("".join(line + "\n" for line in kept))
+                tmp.replace(path)
+        return removed
+
     def write_samples(self, step: int, records, responses, scores, limit: int = 8) -> None:
         """A few eval generations per evaluation, to read what the policy says."""
         with (self.path.parent / "eval_samples.jsonl").open("a") as f:

@@ -306,6 +306,8 @@ class DagWorker:
                 print(f"distflow: resumed from the step-{self.step} checkpoint in {spec.checkpoint.dir} "
                       f"({spec.trainer.total_steps - self.step} steps to go; --no-resume starts over)",
                       flush=True)
+            if self.step and self.writer is not None:
+                self.writer.drop_after(self.step)  # steps a killed run logged past its checkpoint
             if self.step and self.exporter is not None:
                 self.exporter.observe_checkpoint(self.step)
         if self.step == 0 and spec.data.eval is not None:
