@@ -199,3 +199,13 @@ def test_preflight_checks_reward_function_and_data_format(tmp_path):
         preflight(parse_spec({**MINIMAL, "data": {"train": {"path": str(table)}}}))
     with pytest.raises(DistflowConfigError, match="exactly one node must have role rollout"):
         preflight(parse_spec({**MINIMAL, "workflow": {"nodes": []}}))
+
+
+def test_preflight_rejects_model_paths_no_worker_could_load(tmp_path):
+    from distflow.launcher import preflight
+
+    for path, message in ((str(tmp_path / "nope"), "not a local directory"), (str(tmp_path), "no config.json"),
+                          ("gguf:/nope.gguf", "no such file")):
+        with pytest.raises(DistflowConfigError, match=f"spec.model.path .*{message}"):
+            preflight(parse_spec({**MINIMAL, "model": {"path": path}}))
+    preflight(parse_spec({**MINIMAL, "model": {"path": "org/name"}}))  # a hub id: checked when downloaded

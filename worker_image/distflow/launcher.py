@@ -51,16 +51,19 @@ DATA_SUFFIXES = (".jsonl", ".json", ".parquet")
 
 
 def preflight(spec: JobSpec) -> None:
-    """Everything that can be checked before a worker starts: the plan, the data files and the
-    reward function (a user function is imported).
+    """Everything that can be checked before a worker starts: the plan, the model source, the
+    data files and the reward function (a user function is imported).
 
     Raises:
         DistflowConfigError: an invalid workflow, a data file that does not exist or has an
             unknown extension, or a reward function that cannot be loaded.
     """
+    from distflow.models import model_source_problem
     from distflow.planner import build_plan
 
     build_plan(spec)
+    if problem := model_source_problem(spec.model.path):
+        raise DistflowConfigError(f"spec.{problem}")
     for name, ds in (("train", spec.data.train), ("eval", spec.data.eval)):
         if ds is None or ds.arithmetic_split is not None:
             continue

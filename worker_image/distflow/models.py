@@ -247,22 +247,37 @@ def resolve_model(source: str, cache_dir: str | os.PathLike) -> Path:
         ValueError: a directory without ``config.json``, a GGUF not found, or a
             source that is none of the accepted forms (lists them).
     """
+    if problem := model_source_problem(source):
+        raise ValueError(problem)
     path = Path(source)
     if path.is_dir():
-        if not (path / "config.json").is_file():
-            raise ValueError(f"model.path {source!r}: directory has no config.json; not a Hugging Face model")
         return path
     if source == "smollm2" or source.startswith("gguf:"):
         gguf = find_gguf(SMOLLM2_PACKAGE if source == "smollm2" else source.removeprefix("gguf:"))
         return convert_gguf_to_safetensors(gguf, gguf_cache_dir(gguf, cache_dir))
     if source == "tiny" or source.startswith("tiny:"):
         return build_tiny_model(source.partition(":")[2], cache_dir)
-    if _HUB_ID_RE.match(source):
-        return _download_hub_model(source, cache_dir)
-    raise ValueError(
-        f"model.path {source!r}: not a local directory, and not one of: 'smollm2', 'gguf:<file|dir|package>', "
-        f"'tiny[:{'|'.join(TINY_TOKENIZERS)}]', or a hub id 'org/name'"
-    )
+    return _download_hub_model(source, cache_dir)
+
+
+def model_source_problem(source: str) -> str | None:
+    """Why ``resolve_model`` would reject ``model.path``, found without converting, building or
+    downloading anything (None: no problem found; a hub id can only be checked by downloading)."""
+    path = Path(source)
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            return f"model.path {source!r}: directory has no config.json; not a Hugging Face model"
+        return None
+    if source == "smollm2" or source.startswith("gguf:"):
+        try:
+            find_gguf(SMOLLM2_PACKAGE if source == "smollm2" else source.removeprefix("gguf:"))
+        except ValueError as err:
+            return str(err)
+        return None
+    if source == "tiny" or source.startswith("tiny:") or _HUB_ID_RE.match(source):
+        return None
+    return (f"model.path {source!r}: not a local directory, and not one of: 'smollm2', "
+            f"'gguf:<file|dir|package>', 'tiny[:{'|'.join(TINY_TOKENIZERS)}]', or a hub id 'org/name'")
 
 
 def load_tokenizer(local_dir: str | os.PathLike) -> Any:
