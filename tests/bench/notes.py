@@ -78,7 +78,7 @@ side in one run, and projected to 512 and 1,024 GPUs with a cost model whose
 inputs are those measurements. Regenerate everything (20 to 40 minutes,
 depending on how busy the machine is) from the repository root with
 
-    .venv/bin/pip install -e '.[bench]'   # TRL and matplotlib, for the report only
+    .venv/bin/pip install 'trl>=1.0' 'matplotlib>=3.8'   # the bench extra: for the report only
     {command}
 
 `--only SECTION[,SECTION]` re-runs some sections and keeps the others;
