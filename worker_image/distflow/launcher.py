@@ -47,7 +47,6 @@ def resolve_model_dir(spec: JobSpec) -> str:
 
 
 BUILTIN_TASKS = ("arithmetic",)
-DATA_SUFFIXES = (".jsonl", ".json", ".parquet")
 
 
 def preflight(spec: JobSpec) -> None:
@@ -58,6 +57,7 @@ def preflight(spec: JobSpec) -> None:
         DistflowConfigError: an invalid workflow, a data file that does not exist or has an
             unknown extension, or a reward function that cannot be loaded.
     """
+    from distflow.data.sources import DATA_SUFFIXES
     from distflow.models import model_source_problem
     from distflow.planner import build_plan
 

@@ -32,8 +32,6 @@ from distflow.spec import BUILTIN_WORKFLOWS, GROUP_ESTIMATORS, NODE_ROLES, JobSp
 ROLLOUT = "rollout"
 TRAIN = "train"
 
-# Estimators whose statistics are per prompt group: they must see whole groups.
-
 
 @dataclass(frozen=True)
 class Layout:
@@ -216,40 +214,41 @@ def _reads(role: str, spec: JobSpec) -> list[tuple[str, tuple[str, ...]]]:
     return reads.get(role, [])
 
 
+def _upstream(deps: dict[str, list[str]], node_id: str) -> set[str]:
+    """Ids of every node ``node_id`` depends on, directly or not (cycle-safe)."""
+    seen: set[str] = set()
+    todo = list(deps.get(node_id, ()))
+    while todo:
+        d = todo.pop()
+        if d not in seen:
+            seen.add(d)
+            todo.extend(deps.get(d, ()))
+    return seen
+
+
 def _data_problems(nodes: list[WorkflowNodeSpec], spec: JobSpec) -> list[str]:
     """Every field a node reads must come from a node it depends on (directly or not).
 
     The rollout's samples must reach every node. Below a custom node anything
     may have been produced, so only the rollout is checked there.
     """
-    by_id = {n.id: n for n in nodes}
-
-    def upstream(node: WorkflowNodeSpec) -> list[WorkflowNodeSpec]:
-        seen: dict[str, WorkflowNodeSpec] = {}
-        todo = list(node.deps)
-        while todo:
-            d = todo.pop()
-            if d not in seen and d in by_id:
-                seen[d] = by_id[d]
-                todo.extend(by_id[d].deps)
-        return list(seen.values())
-
+    deps = {n.id: n.deps for n in nodes}
+    role_of = {n.id: n.role for n in nodes}
     problems = []
     for i, n in enumerate(nodes):
         if n.role == "rollout":
             continue
         path = f"spec.workflow.nodes[{i}] ({n.id})"
-        above = upstream(n)
-        roles = {u.role for u in above}
+        roles = {role_of[u] for u in _upstream(deps, n.id) if u in role_of}
         if "rollout" not in roles:
             problems.append(f"{path}.deps: nothing it depends on leads to the rollout node, so it has no "
                             "samples; add the rollout node (or a node after it) to its deps")
             continue
         if "custom" in roles:
             continue
-        for field, producers in _reads(n.role, spec):
+        for read, producers in _reads(n.role, spec):
             if not roles & set(producers):
-                problems.append(f"{path}.deps: role {n.role} reads {field}, which no node it depends on "
+                problems.append(f"{path}.deps: role {n.role} reads {read}, which no node it depends on "
                                 f"produces; add a node with role {' or '.join(producers)} to its deps "
                                 "(directly or through another node)")
     return problems
@@ -258,19 +257,11 @@ def _data_problems(nodes: list[WorkflowNodeSpec], spec: JobSpec) -> list[str]:
 def _filter_problems(nodes: list[WorkflowNodeSpec]) -> list[str]:
     """A filter_groups node replaces the step's samples: every node not upstream of it must run after it."""
     deps = {n.id: n.deps for n in nodes}
-
-    def upstream(node_id: str, seen: set[str]) -> set[str]:
-        for d in deps.get(node_id, ()):
-            if d not in seen:
-                seen.add(d)
-                upstream(d, seen)
-        return seen
-
     problems = []
     for f in (n for n in nodes if n.role == "filter_groups"):
-        before = upstream(f.id, set())
+        before = _upstream(deps, f.id)
         for n in nodes:
-            if n.id != f.id and n.id not in before and f.id not in upstream(n.id, set()):
+            if n.id != f.id and n.id not in before and f.id not in _upstream(deps, n.id):
                 problems.append(f"spec.workflow.nodes: {n.id!r} must depend (directly or not) on the "
                                 f"filter_groups node {f.id!r}, which replaces the step's samples")
     return problems

@@ -636,14 +636,15 @@ def _override_value(key: str, raw: str) -> Any:
     Raises:
         DistflowConfigError: a value starting with ``[`` or ``{`` that is not valid YAML.
     """
+    structured = raw.lstrip().startswith(("[", "{"))
     try:
         value = yaml.safe_load(raw)
     except yaml.YAMLError as err:
-        if raw.lstrip().startswith(("[", "{")):
+        if structured:
             raise DistflowConfigError(f"--set {key}: {raw!r} is not a valid YAML list or mapping ({err}); "
                                       "close the brackets, or quote the text") from None
         return raw
-    if " #" in raw or (isinstance(value, (dict, list)) and not raw.lstrip().startswith(("[", "{"))):
+    if " #" in raw or (isinstance(value, (dict, list)) and not structured):
         return raw
     return value
 

@@ -72,18 +72,36 @@ def _allgather_ints(values: Sequence[int], group) -> list[list[int]]:
     return [p.cpu().tolist() for p in parts]
 
 
-def _allgather_lengths(local_lengths: torch.Tensor, digest: int, group):
-    heads = _allgather_ints([local_lengths.numel(), digest], group)
-    counts, digests = [h[0] for h in heads], [h[1] for h in heads]
-    longest = max(counts)
-    if longest == 0:
-        return [torch.zeros(0, dtype=torch.int64) for _ in counts], digests
+def _allgather_rows(rows: torch.Tensor, digest: int, capacity: int, group):
+    """Every rank's [B_r, k] int64 ``rows`` and schema digest: ([world] of [B_r, k] CPU, [world]).
+
+    One all-gather of ``[B_r, digest, rows padded to capacity]``; a second, of
+    the rows padded to the fullest rank, only when some rank holds more than
+    ``capacity`` rows (every rank sees that in the first and joins the second).
+    """
+    count, width = rows.shape
     device = _comm_device(group)
-    padded = torch.zeros(longest, dtype=torch.int64, device=device)
-    padded[: local_lengths.numel()] = local_lengths.to(device=device, dtype=torch.int64)
-    parts = [torch.empty_like(padded) for _ in counts]
-    dist.all_gather(parts, padded, group=group)
-    return [p.cpu()[:n] for p, n in zip(parts, counts)], digests
+    mine = torch.zeros(2 + capacity * width, dtype=torch.int64, device=device)
+    mine[0], mine[1] = count, digest
+    kept = min(count, capacity)
+    mine[2: 2 + kept * width] = rows[:kept].reshape(-1).to(device)
+    parts = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, mine, group=group)
+    parts = [p.cpu() for p in parts]
+    counts, digests = [int(p[0]) for p in parts], [int(p[1]) for p in parts]
+    longest = max(counts)
+    if longest <= capacity:
+        return [p[2: 2 + n * width].reshape(n, width) for p, n in zip(parts, counts)], digests
+    padded = torch.zeros(longest * width, dtype=torch.int64, device=device)
+    padded[: count * width] = rows.reshape(-1).to(device)
+    full = [torch.empty_like(padded) for _ in counts]
+    dist.all_gather(full, padded, group=group)
+    return [p.cpu()[: n * width].reshape(n, width) for p, n in zip(full, counts)], digests
+
+
+def _allgather_lengths(local_lengths: torch.Tensor, digest: int, group):
+    rows, digests = _allgather_rows(local_lengths.reshape(-1, 1).to(torch.int64), digest, 0, group)
+    return [r[:, 0] for r in rows], digests
 
 
 def allgather_lengths(local_lengths: torch.Tensor, group=None) -> list[torch.Tensor]:
@@ -155,26 +173,7 @@ def gather_metadata(batch: PackedBatch, columns: Sequence[torch.Tensor] = (), ca
     digest = _schema_digest(batch.field_schema())
     if not dist.is_initialized() or dist.get_world_size(group) == 1:
         return EdgeMetadata([rows], [digest])
-    width = rows.shape[1]
-    device = _comm_device(group)
-    mine = torch.zeros(2 + capacity * width, dtype=torch.int64, device=device)
-    mine[0], mine[1] = count, digest
-    kept = min(count, capacity)
-    mine[2: 2 + kept * width] = rows[:kept].reshape(-1).to(device)
-    parts = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(parts, mine, group=group)
-    parts = [p.cpu() for p in parts]
-    counts, digests = [int(p[0]) for p in parts], [int(p[1]) for p in parts]
-    longest = max(counts)
-    if longest <= capacity:
-        gathered = [p[2: 2 + n * width].reshape(n, width) for p, n in zip(parts, counts)]
-    else:  # some rank outgrew the capacity: every rank sees it and gathers again, padded to the fullest
-        padded = torch.zeros(longest * width, dtype=torch.int64, device=device)
-        padded[: count * width] = rows.reshape(-1).to(device)
-        full = [torch.empty_like(padded) for _ in counts]
-        dist.all_gather(full, padded, group=group)
-        gathered = [p.cpu()[: n * width].reshape(n, width) for p, n in zip(full, counts)]
-    return EdgeMetadata(gathered, digests)
+    return EdgeMetadata(*_allgather_rows(rows, digest, capacity, group))
 
 
 def _gather_metadata(batch, src_counts: Sequence[int], group, all_lengths, metadata=None):

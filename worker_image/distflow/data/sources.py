@@ -43,6 +43,8 @@ SCHEMA_KEYS: dict[str, tuple[str, ...]] = {
 }
 _JSONL_SUFFIXES = (".jsonl", ".json")
 _PARQUET_SUFFIXES = (".parquet",)
+DATA_SUFFIXES = _JSONL_SUFFIXES + _PARQUET_SUFFIXES
+"""File extensions ``open_source`` reads."""
 _SCAN_CHUNK_BYTES = 8 << 20
 
 
@@ -182,10 +184,10 @@ class FileSource:
         if not self.path.is_file():
             raise FileNotFoundError(f"data file not found: {self.path}")
         suffix = self.path.suffix.lower()
-        if suffix not in _JSONL_SUFFIXES + _PARQUET_SUFFIXES:
+        if suffix not in DATA_SUFFIXES:
             raise ValueError(
                 f"data file {self.path}: unknown extension {suffix!r}; use one of "
-                f"{list(_JSONL_SUFFIXES + _PARQUET_SUFFIXES)}"
+                f"{list(DATA_SUFFIXES)}"
             )
         self.format = "parquet" if suffix in _PARQUET_SUFFIXES else "jsonl"
         self.split = self.path.stem

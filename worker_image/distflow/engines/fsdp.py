@@ -14,9 +14,9 @@ which ``sync_rollout_weights`` refreshes after every optimizer step.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager, nullcontext
 from dataclasses import dataclass
-from typing import Iterator
 
 import torch
 import torch.distributed as dist
@@ -118,12 +118,7 @@ def unsharded(model: torch.nn.Module) -> Iterator[torch.nn.Module]:
 
 def unsharded_nbytes(model: torch.nn.Module) -> int:
     """Bytes of the full (unsharded) parameters: what ``unsharded`` all-gathers per rank."""
-    total = 0
-    for param in model.parameters():
-        data = param.data
-        shape = data.shape if not isinstance(data, DTensor) else data.size()
-        total += data.element_size() * int(torch.Size(shape).numel())
-    return total
+    return sum(param.numel() * param.element_size() for param in model.parameters())  # DTensor: global numel
 
 
 class RolloutWeights:
