@@ -139,7 +139,8 @@ def launch_local(spec: JobSpec, job_name: str, resume: bool = True, progress: bo
 
 
 def set_aside_previous_run(spec: JobSpec) -> list[Path]:
-    """Starting over (``--no-resume``): move an earlier run's checkpoints and logs out of the way.
+    """Starting over (``--no-resume``, ``checkpoint.resume: never``): move an earlier run's
+    checkpoints and logs out of the way.
 
     ``checkpoint.dir`` and the metrics / eval-sample files in ``trainer.logDir``
     are renamed to ``<name>.previous`` (replacing an older ``.previous``), so
@@ -165,7 +166,8 @@ def set_aside_previous_run(spec: JobSpec) -> list[Path]:
         elif old.exists():
             old.unlink()
     moved = [path.rename(path.with_name(path.name + ".previous")) for path in present]
-    print("distflow: --no-resume: the previous run was moved aside to " + ", ".join(map(str, moved)), flush=True)
+    print("distflow: starting over (--no-resume or checkpoint.resume: never): the previous run was moved aside to "
+          + ", ".join(map(str, moved)), flush=True)
     return moved
 
 
