@@ -3,11 +3,12 @@
 # The worker image (torch, the runtime) is worker_image/Dockerfile.
 FROM python:3.12-slim AS build
 WORKDIR /src
-COPY pyproject.toml README.md ./
+COPY pyproject.toml README.md requirements.lock ./
 COPY worker_image/distflow worker_image/distflow
 COPY operator/distflow_operator operator/distflow_operator
+# Dependencies at the versions requirements.lock pins (the lock .ci/setup installs too).
 # hadolint ignore=DL3013
-RUN pip install --no-cache-dir --prefix=/install ".[operator]"
+RUN pip install --no-cache-dir --prefix=/install -c requirements.lock ".[operator]"
 
 FROM python:3.12-slim
 COPY --from=build /install /usr/local

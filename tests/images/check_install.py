@@ -44,6 +44,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))  # run as a script: tests.lockfile from this checkout
+from tests import lockfile  # noqa: E402
 UV_PLATFORM = "x86_64-manylinux_2_39"
 """glibc 2.39 (Ubuntu 24.04): every manylinux wheel up to 2_39 is allowed."""
 
@@ -64,7 +66,7 @@ CHECKS = (
     ImageCheck("Dockerfile", resolve_only=False),
     ImageCheck("worker_image/Dockerfile", resolve_only=True,
                variants=({"EXTRAS": "runtime"},
-                         {"EXTRAS": "runtime,vllm"})),
+                         {"EXTRAS": "runtime,vllm", "LOCK": "worker_image/requirements-vllm.lock"})),
 )
 
 
@@ -269,7 +271,7 @@ def cuda_major_of_base(parsed: Dockerfile, overrides: dict[str, str]) -> int | N
 
 
 def verify_worker_resolution(report: Path, parsed: Dockerfile, overrides: dict[str, str],
-                             results: Results) -> None:
+                             python_version: str, results: Results) -> None:
     extras = overrides.get("EXTRAS", "")
     # " + torch==2.15.0", or " + distflow @ file:///src" for the project itself
     installs = {name.lower().replace("_", "-"): version
@@ -279,6 +281,12 @@ def verify_worker_resolution(report: Path, parsed: Dockerfile, overrides: dict[s
                   f"{label}: torch, transformers and distflow resolve", str(sorted(installs)))
     wants_vllm = "vllm" in extras.split(",")
     results.check(("vllm" in installs) == wants_vllm, f"{label}: vllm {'present' if wants_vllm else 'absent'}")
+    lock_name = expand(overrides.get("LOCK", "${LOCK}"), {**parsed.global_args, **parsed.stage_args})
+    locked = lockfile.pins(REPO / lock_name, lockfile.linux_environment(python_version))
+    drift = {k: (v, locked[k]) for k, v in installs.items() if k in locked and locked[k] != v}
+    unpinned = sorted(k for k in installs if k not in locked and k != "distflow")
+    results.check(not drift and not unpinned, f"{label}: every package at the version {lock_name} pins",
+                  f"resolved != locked: {drift}; not in the lock: {unpinned}")
     runtime = next((v for k, v in installs.items() if k.startswith("nvidia-cuda-runtime")), None)
     base_major = cuda_major_of_base(parsed, overrides)
     results.check(runtime is not None and base_major == int(runtime.split(".")[0]),
@@ -317,7 +325,7 @@ def check_image(check: ImageCheck, results: Results, skip: set[str]) -> None:
             if outcome is None:
                 continue
             if check.resolve_only:
-                verify_worker_resolution(outcome, parsed, overrides, results)
+                verify_worker_resolution(outcome, parsed, overrides, check.python_version, results)
             else:
                 verify_operator_install(outcome, scratch, results)
     if check.resolve_only:
