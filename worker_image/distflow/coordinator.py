@@ -33,6 +33,7 @@ from distflow.data.counters import TransferCounters
 from distflow.data.exchange import exchange, exchange_centralized, gather_metadata
 from distflow.data.redistribute import balanced_assignment, plan_for_rank, plan_redistribution
 from distflow.planner import ROLLOUT, Plan, PlannedNode, same_samples
+from distflow.process_group import wire_device
 from distflow.spec import JobSpec
 
 
@@ -137,12 +138,10 @@ class DataCoordinator:
 
     @staticmethod
     def _wire_device() -> torch.device:
-        """NCCL moves CUDA tensors only; gloo moves CPU tensors."""
+        """Where the exchange moves tensors: CUDA when NCCL serves the group, else CPU."""
         import torch.distributed as dist
 
-        if dist.is_initialized() and dist.get_backend() == "nccl":
-            return torch.device("cuda", torch.cuda.current_device())
-        return torch.device("cpu")
+        return wire_device() if dist.is_initialized() else torch.device("cpu")
 
     def _shares_prompts(self, batch: PackedBatch) -> bool:
         """The actor runs each prompt once per group (``actor.sharePromptPrefix``) and the

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from distflow import checkpoint
+from distflow import checkpoint, process_group
 from distflow.coordinator import DataCoordinator
 from distflow.data.buffer import NodeBuffer
 from distflow.data.counters import TransferCounters
@@ -60,6 +60,9 @@ class WorkerEnv:
     master_port: int
     job_name: str
     model_dir: str
+    device_index: int
+    """This worker's GPU: its process index on its machine. A pod runs one node, so it is the
+    local rank; the local launcher runs every node's workers on one machine, so it is the rank."""
     resume: bool = True
     metrics_port: int = 0
     """Prometheus port this node serves (0: none)."""
@@ -125,12 +128,11 @@ class DagWorker:
         # Served first: a pod is Ready (readiness probe on /metrics) once its runtime is up.
         self.exporter = NodeExporter(env.job_name, env.node_rank, env.metrics_port) \
             if env.local_rank == 0 else None
-        info = fsdp.select_device(spec.cluster.device, env.local_rank)
+        info = fsdp.select_device(spec.cluster.device, env.device_index)
         self.device = info.device
         threads = spec.trainer.num_threads or max(1, (os.cpu_count() or 1) // env.local_world_size)
         torch.set_num_threads(threads)
-        dist.init_process_group(info.backend, init_method=f"tcp://{env.master_addr}:{env.master_port}",
-                                rank=env.rank, world_size=env.world_size)
+        process_group.init(self.device, f"tcp://{env.master_addr}:{env.master_port}", env.rank, env.world_size)
         self.rank = env.rank
         self.rollout_dp_rank = self.plan.layouts[ROLLOUT].dp_rank(env.rank)
         self.step = 0
@@ -273,7 +275,7 @@ class DagWorker:
         received = sum(self.counters.bytes_received.values())
         row = [float(step_sent[e]) for e in edges] + [float(received - self._received_before)]
         self._received_before = received
-        local = torch.tensor([row], dtype=torch.float64)
+        local = torch.tensor([row], dtype=torch.float64)  # on CPU: the group's gloo backend carries it
         gathered = [torch.zeros_like(local) for _ in range(self.env.world_size)]
         dist.all_gather(gathered, local)
         table = torch.cat(gathered)

@@ -37,6 +37,7 @@ from distflow.data.batch import SAMPLE, TOKEN, FieldSpec, PackedBatch, check_sam
 from distflow.data.buffer import NodeBuffer
 from distflow.data.counters import TransferCounters
 from distflow.data.redistribute import RankPlan, RedistributionPlan
+from distflow.process_group import wire_device
 
 ALIGN = 8
 """Bytes each field chunk is padded to, so uint8 -> dtype views are aligned."""
@@ -53,19 +54,13 @@ def piece_nbytes(schema: Sequence[FieldSpec], num_tokens: int, num_samples: int)
     )
 
 
-def _comm_device(group) -> torch.device:
-    if dist.get_backend(group) == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
 def _global_rank(group, rank: int) -> int:
     return rank if group is None else dist.get_global_rank(group, rank)
 
 
 def _allgather_ints(values: Sequence[int], group) -> list[list[int]]:
     """All-gather a fixed-length list of int64 from every rank."""
-    device = _comm_device(group)
+    device = wire_device(group)
     mine = torch.tensor(list(values), dtype=torch.int64, device=device)
     parts = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
     dist.all_gather(parts, mine, group=group)
@@ -80,7 +75,7 @@ def _allgather_rows(rows: torch.Tensor, digest: int, capacity: int, group):
     ``capacity`` rows (every rank sees that in the first and joins the second).
     """
     count, width = rows.shape
-    device = _comm_device(group)
+    device = wire_device(group)
     mine = torch.zeros(2 + capacity * width, dtype=torch.int64, device=device)
     mine[0], mine[1] = count, digest
     kept = min(count, capacity)
@@ -355,10 +350,10 @@ def _check_inputs(batch, plan, group, node_of_rank, node_buffer) -> None:
         raise ValueError("give node_of_rank and node_buffer together (or neither)")
     if node_of_rank is not None and len(node_of_rank) != world:
         raise ValueError(f"node_of_rank has {len(node_of_rank)} entries; need one per rank ({world})")
-    device = _comm_device(group)
+    device = wire_device(group)
     if batch.field_schema() and batch.device.type != device.type:
-        raise ValueError(f"batch is on {batch.device} but backend {dist.get_backend(group)} "
-                         f"moves {device.type} tensors; move the batch with .to()")
+        raise ValueError(f"batch is on {batch.device} but the data plane moves {device.type} tensors "
+                         "over this group; move the batch with .to()")
 
 
 def _all_to_all_pieces(batch, plan: RankPlan, schema, sizes: _WireSizes, group, device
@@ -454,7 +449,7 @@ def exchange(
         plan = plan.for_rank(rank)
     schema, lengths = _gather_metadata(batch, plan.src_counts, group, all_lengths, metadata)
     sizes = _rank_wire_sizes(plan, schema, lengths, node_of_rank)
-    device = _comm_device(group)
+    device = wire_device(group)
     for dst in range(world):
         if sizes.send_via_shm[dst] and sizes.send[dst]:
             out = node_buffer.reserve(step, edge, rank, dst, sizes.send[dst])
@@ -528,7 +523,7 @@ def exchange_centralized(
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     schema, lengths = _gather_metadata(batch, [len(h) for h in plan.src_holdings], group, all_lengths,
                                        metadata)
-    device = _comm_device(group)
+    device = wire_device(group)
     planned = [_planned_lengths(plan, lengths, dst) for dst in range(world)]
     inbound = [piece_nbytes(schema, sum(lens), len(lens)) for lens in lengths]
     outbound = [piece_nbytes(schema, sum(lens), len(lens)) for lens in planned]
