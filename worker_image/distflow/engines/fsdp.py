@@ -25,6 +25,7 @@ from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor
 
 
+from distflow.engines.model_ops import eval_mode
 from distflow.process_group import backend_for
 
 
@@ -151,7 +152,7 @@ class RolloutWeights:
 
     @contextmanager
     def policy(self, metrics=None) -> Iterator[torch.nn.Module]:
-        """The model to call ``generate`` on inside the block.
+        """The model to call ``generate`` on inside the block, in eval mode.
 
         Shared weights are all-gathered on entry; with ``metrics`` that costs
         ``timing_s/weight_sync`` and ``perf/weight_sync_bytes`` (bytes
@@ -161,6 +162,7 @@ class RolloutWeights:
             yield self.copy
             return
         with ExitStack() as stack:
+            stack.enter_context(eval_mode(self.actor_model))
             with metrics.timer("weight_sync") if metrics is not None else nullcontext():
                 model = stack.enter_context(unsharded(self.actor_model))
             if metrics is not None:
