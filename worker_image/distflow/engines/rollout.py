@@ -48,22 +48,25 @@ class SamplingParams:
 log = logging.getLogger(__name__)
 
 
-def render_prompts(tokenizer, records, max_prompt_length: int, system_prompt: str | None = None) -> list[list[int]]:
-    """Chat-template each record's messages; keep the last ``max_prompt_length`` tokens.
+def render_prompt(tokenizer, record, system_prompt: str | None = None) -> list[int]:
+    """A record's messages chat-templated into token ids, with the generation prompt.
 
     ``system_prompt`` replaces the record's own system message, if any.
     """
-    out = []
-    for rec in records:
-        messages = list(rec.messages)
-        if system_prompt is not None:
-            messages = [{"role": "system", "content": system_prompt}] + [
-                m for m in messages if m.get("role") != "system"]
-        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
-            ids = ids["input_ids"]
-        out.append(list(ids)[-max_prompt_length:])
-    return out
+    messages = list(record.messages)
+    if system_prompt is not None:
+        messages = [{"role": "system", "content": system_prompt}] + [
+            m for m in messages if m.get("role") != "system"]
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+        ids = ids["input_ids"]
+    return list(ids)
+
+
+def render_prompts(tokenizer, records, max_prompt_length: int, system_prompt: str | None = None) -> list[list[int]]:
+    """``render_prompt`` of each record; keep the last ``max_prompt_length`` tokens
+    (``data.truncation: left``; with ``error`` or ``filter`` every prompt fits already)."""
+    return [render_prompt(tokenizer, rec, system_prompt)[-max_prompt_length:] for rec in records]
 
 
 def eos_token_ids(model, tokenizer) -> list[int]:
