@@ -42,7 +42,8 @@ def _stand_in_worker(tmp_path, total_steps: int) -> DagWorker:
     worker = DagWorker.__new__(DagWorker)
     worker.spec = spec
     worker.env = WorkerEnv(rank=0, world_size=1, local_rank=0, local_world_size=1, node_rank=0, num_nodes=1,
-                           master_addr="127.0.0.1", master_port=0, job_name="job", model_dir="", resume=True)
+                           master_addr="127.0.0.1", master_port=0, job_name="job", model_dir="", device_index=0,
+                           resume=True)
     worker.step, worker.exporter, worker.writer, worker.is_logger = 0, None, None, False
     worker.run_step = lambda: {"training/step": worker.step + 1}
     return worker

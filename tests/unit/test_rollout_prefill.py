@@ -125,9 +125,12 @@ def test_sampled_responses_are_identical_for_a_seed(model, prompts, micro_batch_
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_eos_stops_and_trims_responses_the_same_way(model, prompts, temperature):
-    """EOS ids picked from the free-running responses: some samples stop early, EOS kept, no pads."""
+    """EOS ids picked from the free-running responses: some samples stop early, EOS kept, no pads.
+
+    The model's own EOS (its generation config's) stops responses too, so it is in the set.
+    """
     free = responses(run(model, prompts, share=False, temperature=temperature))
-    eos = sorted({free[0][3], free[N][1], free[2 * N + 2][5]} - {PAD})
+    eos = sorted({free[0][3], free[N][1], free[2 * N + 2][5], EOS} - {PAD})
     shared = run(model, prompts, share=True, temperature=temperature, eos=eos)
     unshared = run(model, prompts, share=False, temperature=temperature, eos=eos)
     assert_same_batch(shared, unshared)

@@ -31,8 +31,9 @@ from distflow.data.batch import PackedBatch
 from distflow.data.buffer import DoubleBuffer, NodeBuffer
 from distflow.data.counters import TransferCounters
 from distflow.data.exchange import exchange, exchange_centralized, gather_metadata
-from distflow.data.redistribute import balanced_assignment, plan_for_rank, plan_redistribution
+from distflow.data.redistribute import balanced_assignment, plan_digest, plan_for_rank, plan_redistribution
 from distflow.planner import ROLLOUT, Plan, PlannedNode, same_samples
+from distflow.process_group import wire_device
 from distflow.spec import JobSpec
 
 
@@ -50,6 +51,8 @@ class DataCoordinator:
     last_imbalance: float = 1.0
     metadata_capacity: int = 0
     """Rows each rank pads its metadata to: the fullest rank seen so far (equal on every rank)."""
+    last_plan_digest: int = 0
+    """``plan_digest`` of the last move's target; the next metadata all-gather checks all ranks agree."""
 
     @property
     def batch(self) -> PackedBatch:
@@ -100,8 +103,8 @@ class DataCoordinator:
         columns = ([fields["group_index"], fields["prompt_len"]] if share
                    else [fields["origin_rank"], fields["origin_index"]] if to_origin else [])
         # ONE all-gather: lengths and schema digests for the exchange, plus what the target needs
-        # (prompt groups to balance, or where each sample was generated).
-        metadata = gather_metadata(batch, columns, self.metadata_capacity)
+        # (prompt groups to balance, or where each sample was generated), plus the last plan's digest.
+        metadata = gather_metadata(batch, columns, self.metadata_capacity, plan_digest=self.last_plan_digest)
         self.metadata_capacity = max(self.metadata_capacity, metadata.max_count)
         lengths = metadata.lengths
         holdings, offset = [], 0
@@ -121,6 +124,7 @@ class DataCoordinator:
                 target = _back_to_origin(holdings, extra)
             else:
                 target = holdings
+        self.last_plan_digest = plan_digest(target)
         if self.centralized:
             plan = plan_redistribution(holdings, target)  # the root rebuilds every rank's batch
         else:
@@ -137,12 +141,10 @@ class DataCoordinator:
 
     @staticmethod
     def _wire_device() -> torch.device:
-        """NCCL moves CUDA tensors only; gloo moves CPU tensors."""
+        """Where the exchange moves tensors: CUDA when NCCL serves the group, else CPU."""
         import torch.distributed as dist
 
-        if dist.is_initialized() and dist.get_backend() == "nccl":
-            return torch.device("cuda", torch.cuda.current_device())
-        return torch.device("cpu")
+        return wire_device() if dist.is_initialized() else torch.device("cpu")
 
     def _shares_prompts(self, batch: PackedBatch) -> bool:
         """The actor runs each prompt once per group (``actor.sharePromptPrefix``) and the

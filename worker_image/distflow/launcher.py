@@ -96,15 +96,60 @@ def _die_with_parent() -> None:
         ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
 
 
+def check_local_devices(spec: JobSpec, device_count: int) -> None:
+    """A local CUDA run needs one GPU per worker: ``numNodes x procsPerNode`` on this machine.
+
+    Args:
+        device_count: GPUs this machine shows (``torch.cuda.device_count()``).
+
+    Raises:
+        DistflowConfigError: ``cluster.device`` is cuda (or auto, with GPUs) and there are fewer
+            GPUs than workers.
+    """
+    cluster = spec.cluster
+    if cluster.device == "cpu" or (cluster.device == "auto" and device_count == 0):
+        return
+    if device_count == 0:
+        raise DistflowConfigError("spec.cluster.device: cuda requested but torch sees no GPU on this machine; "
+                                  "use cpu or auto (--set cluster.device=auto)")
+    if spec.world_size > device_count:
+        raise DistflowConfigError(
+            f"spec.cluster: numNodes={cluster.num_nodes} x procsPerNode={cluster.procs_per_node} = "
+            f"{spec.world_size} local workers need {spec.world_size} GPUs; this machine shows {device_count} "
+            f"(device: {cluster.device}). Lower cluster.numNodes / cluster.procsPerNode, or use device cpu "
+            "(--set cluster.device=cpu)")
+
+
+def check_node_devices(spec: JobSpec, device_count: int) -> None:
+    """A pod's CUDA workers need one GPU each: ``procsPerNode`` visible to the pod.
+
+    Raises:
+        DistflowConfigError: as ``check_local_devices``, for this node's workers.
+    """
+    cluster = spec.cluster
+    if cluster.device == "cpu" or (cluster.device == "auto" and device_count == 0):
+        return
+    if cluster.procs_per_node > device_count:
+        raise DistflowConfigError(
+            f"spec.cluster.procsPerNode={cluster.procs_per_node}: this pod sees {device_count} GPUs, one per "
+            "worker is needed; set cluster.acceleratorsPerNode (the pod's GPU request) to procsPerNode")
+
+
+def local_worker_env(index: int, per_node: int, base):
+    """Worker ``index`` of a local run: node ``index // per_node``, and GPU ``index``: every "node"
+    runs on this one machine, so GPUs are counted over all of them."""
+    node_rank, local_rank = divmod(index, per_node)
+    port = base.metrics_port + node_rank if base.metrics_port and local_rank == 0 else 0
+    return replace(base, rank=index, local_rank=local_rank, node_rank=node_rank, device_index=index,
+                   metrics_port=port)
+
+
 def _local_worker_main(index: int, spec: JobSpec, base, with_progress: bool):
-    """Worker ``index`` of a local run: node = index // procsPerNode."""
+    """Worker ``index`` of a local run (``local_worker_env``)."""
     from distflow.worker import run_worker
 
     _die_with_parent()
-    per_node = spec.cluster.procs_per_node
-    node_rank, local_rank = divmod(index, per_node)
-    port = base.metrics_port + node_rank if base.metrics_port and local_rank == 0 else 0
-    env = replace(base, rank=index, local_rank=local_rank, node_rank=node_rank, metrics_port=port)
+    env = local_worker_env(index, spec.cluster.procs_per_node, base)
     progress = ProgressPrinter(spec.trainer.total_steps) if with_progress and index == 0 else None
     run_worker(spec, env, progress)
 
@@ -114,7 +159,7 @@ def launch_local(spec: JobSpec, job_name: str, resume: bool = True, progress: bo
 
     Raises:
         DistflowConfigError: before any worker starts, if the model cannot be resolved or
-            ``cluster.device`` is cuda on a machine without a visible GPU.
+            ``cluster.device`` needs more GPUs than the machine has (``check_local_devices``).
         torch.multiprocessing.ProcessRaisedException: a worker failed (the others are stopped).
     """
     import torch
@@ -123,9 +168,7 @@ def launch_local(spec: JobSpec, job_name: str, resume: bool = True, progress: bo
     from distflow.worker import WorkerEnv
 
     preflight(spec)
-    if spec.cluster.device == "cuda" and not torch.cuda.is_available():
-        raise DistflowConfigError("spec.cluster.device: cuda requested but torch sees no GPU on this machine; "
-                                  "use cpu or auto (--set cluster.device=auto)")
+    check_local_devices(spec, torch.cuda.device_count() if torch.cuda.is_available() else 0)
     model_dir = resolve_model_dir(spec)  # a bad model path fails here, before the previous run is moved
     if not resume or spec.checkpoint.resume == "never":
         set_aside_previous_run(spec)
@@ -134,7 +177,7 @@ def launch_local(spec: JobSpec, job_name: str, resume: bool = True, progress: bo
     base = WorkerEnv(rank=0, world_size=spec.world_size, local_rank=0,
                      local_world_size=spec.world_size, node_rank=0, num_nodes=cluster.num_nodes,
                      master_addr="127.0.0.1", master_port=free_port(), job_name=job_name,
-                     model_dir=model_dir, resume=resume, metrics_port=spec.trainer.metrics_port)
+                     model_dir=model_dir, device_index=0, resume=resume, metrics_port=spec.trainer.metrics_port)
     mp.spawn(_local_worker_main, args=(spec, base, progress), nprocs=spec.world_size, join=True)
 
 
@@ -194,9 +237,10 @@ def launch_node(spec: JobSpec, job_name: str, environ=os.environ) -> None:
     """Start this node's workers from the pod's environment (blocks).
 
     Raises:
-        DistflowConfigError: env and spec disagree (numNodes, procsPerNode) or
-            the model cannot be resolved.
+        DistflowConfigError: env and spec disagree (numNodes, procsPerNode), the pod
+            has fewer GPUs than workers, or the model cannot be resolved.
     """
+    import torch
     import torch.multiprocessing as mp
 
     from distflow.worker import WorkerEnv
@@ -210,12 +254,13 @@ def launch_node(spec: JobSpec, job_name: str, environ=os.environ) -> None:
     if not 0 <= node_rank < nnodes:
         raise DistflowConfigError(f"env PET_NODE_RANK={node_rank}: must be in [0, {nnodes})")
     preflight(spec)
+    check_node_devices(spec, torch.cuda.device_count() if torch.cuda.is_available() else 0)
     model_dir = resolve_model_dir(spec)
     port = int(environ.get("DISTFLOW_METRICS_PORT", spec.trainer.metrics_port or 0))
     base = WorkerEnv(rank=node_rank * nproc, world_size=nnodes * nproc, local_rank=0,
                      local_world_size=nproc, node_rank=node_rank, num_nodes=nnodes,
                      master_addr=str(env["MASTER_ADDR"]), master_port=int(env["MASTER_PORT"]),
-                     job_name=job_name, model_dir=model_dir, metrics_port=0)
+                     job_name=job_name, model_dir=model_dir, device_index=0, metrics_port=0)
     mp.spawn(_node_worker_main, args=(spec, base, nproc, port), nprocs=nproc, join=True)
 
 
@@ -223,7 +268,7 @@ def _node_worker_main(local_rank: int, spec: JobSpec, base, nproc: int, port: in
     from distflow.worker import run_worker
 
     # Only the node's first worker serves metrics, on the pod's port.
-    env = replace(base, rank=base.rank + local_rank, local_rank=local_rank,
+    env = replace(base, rank=base.rank + local_rank, local_rank=local_rank, device_index=local_rank,
                   metrics_port=port if local_rank == 0 else 0)
     run_worker(spec, env, None)
 

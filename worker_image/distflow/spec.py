@@ -95,7 +95,13 @@ class DataSpec(_Spec):
     train_batch_size: int = Field(default=8, ge=1)
     """Prompts per step over the whole job (each yields `rollout.n` responses)."""
     max_prompt_length: int = Field(default=256, ge=1)
-    """Prompts longer than this (tokens) are truncated from the left."""
+    """Prompt tokens at most (chat template and system prompt included); longer prompts are
+    handled as `truncation` says."""
+    truncation: Literal["error", "filter", "left"] = "error"
+    """A prompt longer than `maxPromptLength`: `error` stops the job before training, naming the
+    prompt (verl's default); `filter` drops such prompts before training (counted in
+    `data/filtered_prompts`); `left` keeps their last `maxPromptLength` tokens (a system message
+    at the start can be cut off)."""
     max_response_length: int = Field(default=64, ge=1)
     """Generated tokens per response at most."""
     shuffle: bool = True

@@ -102,9 +102,10 @@ def run_advantage(worker, node: PlannedNode) -> None:
 def _log_prob_stage(worker, node: PlannedNode, model, field: str) -> None:
     batch = worker.coordinator.batch
     spec = worker.spec
-    lp = model_ops.compute_log_probs(model, batch, worker.tokenizer.pad_token_id,
-                                     spec.actor.micro_batch_size, spec.rollout.temperature,
-                                     spec.model.mixed_precision, spec.actor.share_prompt_prefix)
+    with model_ops.eval_mode(model):  # the actor update left the policy in train mode
+        lp = model_ops.compute_log_probs(model, batch, worker.tokenizer.pad_token_id,
+                                         spec.actor.micro_batch_size, spec.rollout.temperature,
+                                         spec.model.mixed_precision, spec.actor.share_prompt_prefix)
     worker.coordinator.produce(node.id, batch.with_fields(token={field: lp}))
 
 

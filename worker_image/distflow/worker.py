@@ -25,16 +25,17 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from distflow import checkpoint
+from distflow import checkpoint, process_group
 from distflow.coordinator import DataCoordinator
 from distflow.data.buffer import NodeBuffer
 from distflow.data.counters import TransferCounters
 from distflow.data.loader import ShardedPromptLoader
+from distflow.data.prompt_fit import fit_prompts, scan_share
 from distflow.data.sources import open_source
 from distflow.engines import fsdp
 from distflow.engines.actor import Actor
 from distflow.engines.critic import build_critic
-from distflow.engines.rollout import SamplingParams, generate, render_prompts, response_texts
+from distflow.engines.rollout import SamplingParams, generate, render_prompt, render_prompts, response_texts
 from distflow.exporter import NodeExporter
 from distflow.metrics import JsonlWriter, StepMetrics
 from distflow.models import load_causal_lm, load_tokenizer, resolve_model
@@ -60,6 +61,9 @@ class WorkerEnv:
     master_port: int
     job_name: str
     model_dir: str
+    device_index: int
+    """This worker's GPU: its process index on its machine. A pod runs one node, so it is the
+    local rank; the local launcher runs every node's workers on one machine, so it is the rank."""
     resume: bool = True
     metrics_port: int = 0
     """Prometheus port this node serves (0: none)."""
@@ -125,12 +129,11 @@ class DagWorker:
         # Served first: a pod is Ready (readiness probe on /metrics) once its runtime is up.
         self.exporter = NodeExporter(env.job_name, env.node_rank, env.metrics_port) \
             if env.local_rank == 0 else None
-        info = fsdp.select_device(spec.cluster.device, env.local_rank)
+        info = fsdp.select_device(spec.cluster.device, env.device_index)
         self.device = info.device
         threads = spec.trainer.num_threads or max(1, (os.cpu_count() or 1) // env.local_world_size)
         torch.set_num_threads(threads)
-        dist.init_process_group(info.backend, init_method=f"tcp://{env.master_addr}:{env.master_port}",
-                                rank=env.rank, world_size=env.world_size)
+        process_group.init(self.device, f"tcp://{env.master_addr}:{env.master_port}", env.rank, env.world_size)
         self.rank = env.rank
         self.rollout_dp_rank = self.plan.layouts[ROLLOUT].dp_rank(env.rank)
         self.step = 0
@@ -184,15 +187,34 @@ class DagWorker:
     def _build_data(self) -> None:
         spec = self.spec
         dp = self.plan.layouts[ROLLOUT].dp_size
-        self.loader = ShardedPromptLoader(prompt_source(spec.data.train), spec.data.train_batch_size,
+        train = prompt_source(spec.data.train)
+        fitted = self._fit_prompts(train, "data.train")
+        self.num_filtered_prompts = train.num_records - fitted.num_records
+        self.loader = ShardedPromptLoader(fitted, spec.data.train_batch_size,
                                           self.rollout_dp_rank, dp, seed=spec.data.seed,
                                           shuffle=spec.data.shuffle)
         self.eval_records = []
         if spec.data.eval is not None:
-            source = prompt_source(spec.data.eval)
+            source = self._fit_prompts(prompt_source(spec.data.eval), "data.eval")
             n = source.num_records
             mine = [i for i in range(n) if i % dp == self.rollout_dp_rank]
             self.eval_records = source.read(mine)
+
+    def _fit_prompts(self, source, field: str):
+        """``source`` as ``data.truncation`` says (collective: each rank scans a share of it).
+
+        Raises:
+            DistflowConfigError: on every rank, ``error`` and an over-long prompt.
+        """
+        data = self.spec.data
+        if data.truncation == "left":
+            return source
+        mine = scan_share(source, self.rank, self.env.world_size, data.max_prompt_length,
+                          lambda record: len(render_prompt(self.tokenizer, record, data.system_prompt)))
+        everyone: list = [None] * self.env.world_size
+        dist.all_gather_object(everyone, mine)  # small Python lists: the CPU backend carries them
+        overlong = sorted((o for part in everyone for o in part), key=lambda o: o.index)
+        return fit_prompts(source, overlong, data.truncation, data.max_prompt_length, field)
 
     def global_sum(self, values: torch.Tensor) -> torch.Tensor:
         """All-reduce a small vector of sums (the reducer handed to the algorithms)."""
@@ -246,6 +268,7 @@ class DagWorker:
         batch = self.coordinator.batch
         self.metrics.add_sum("perf/total_num_tokens", float(batch.num_tokens))
         self.metrics.add_max("data/balance_imbalance", self.coordinator.last_imbalance)
+        self.metrics.add_max("data/filtered_prompts", self.num_filtered_prompts)  # data.truncation: filter
         # Keyed by exchanges, which every rank records, not by sends: a rank that sent nothing on an
         # edge must still add its metric, or the ranks' metric vectors differ in the all-reduce.
         step_sent = {e: self.counters.bytes_sent.get(e, 0) - sent_before.get(e, 0) for e in self.counters.exchanges}
@@ -273,7 +296,7 @@ class DagWorker:
         received = sum(self.counters.bytes_received.values())
         row = [float(step_sent[e]) for e in edges] + [float(received - self._received_before)]
         self._received_before = received
-        local = torch.tensor([row], dtype=torch.float64)
+        local = torch.tensor([row], dtype=torch.float64)  # on CPU: the group's gloo backend carries it
         gathered = [torch.zeros_like(local) for _ in range(self.env.world_size)]
         dist.all_gather(gathered, local)
         table = torch.cat(gathered)

@@ -37,6 +37,7 @@ from distflow.data.batch import SAMPLE, TOKEN, FieldSpec, PackedBatch, check_sam
 from distflow.data.buffer import NodeBuffer
 from distflow.data.counters import TransferCounters
 from distflow.data.redistribute import RankPlan, RedistributionPlan
+from distflow.process_group import wire_device
 
 ALIGN = 8
 """Bytes each field chunk is padded to, so uint8 -> dtype views are aligned."""
@@ -53,55 +54,50 @@ def piece_nbytes(schema: Sequence[FieldSpec], num_tokens: int, num_samples: int)
     )
 
 
-def _comm_device(group) -> torch.device:
-    if dist.get_backend(group) == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
 def _global_rank(group, rank: int) -> int:
     return rank if group is None else dist.get_global_rank(group, rank)
 
 
 def _allgather_ints(values: Sequence[int], group) -> list[list[int]]:
     """All-gather a fixed-length list of int64 from every rank."""
-    device = _comm_device(group)
+    device = wire_device(group)
     mine = torch.tensor(list(values), dtype=torch.int64, device=device)
     parts = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
     dist.all_gather(parts, mine, group=group)
     return [p.cpu().tolist() for p in parts]
 
 
-def _allgather_rows(rows: torch.Tensor, digest: int, capacity: int, group):
-    """Every rank's [B_r, k] int64 ``rows`` and schema digest: ([world] of [B_r, k] CPU, [world]).
+def _allgather_rows(rows: torch.Tensor, header: Sequence[int], capacity: int, group):
+    """Every rank's [B_r, k] int64 ``rows`` and its ``header`` ints: ([world] of [B_r, k] CPU, [world] of headers).
 
-    One all-gather of ``[B_r, digest, rows padded to capacity]``; a second, of
+    One all-gather of ``[B_r, *header, rows padded to capacity]``; a second, of
     the rows padded to the fullest rank, only when some rank holds more than
     ``capacity`` rows (every rank sees that in the first and joins the second).
     """
     count, width = rows.shape
-    device = _comm_device(group)
-    mine = torch.zeros(2 + capacity * width, dtype=torch.int64, device=device)
-    mine[0], mine[1] = count, digest
+    start = 1 + len(header)
+    device = wire_device(group)
+    mine = torch.zeros(start + capacity * width, dtype=torch.int64, device=device)
+    mine[:start] = torch.tensor([count, *header], dtype=torch.int64)
     kept = min(count, capacity)
-    mine[2: 2 + kept * width] = rows[:kept].reshape(-1).to(device)
+    mine[start: start + kept * width] = rows[:kept].reshape(-1).to(device)
     parts = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
     dist.all_gather(parts, mine, group=group)
     parts = [p.cpu() for p in parts]
-    counts, digests = [int(p[0]) for p in parts], [int(p[1]) for p in parts]
+    counts, headers = [int(p[0]) for p in parts], [p[1:start].tolist() for p in parts]
     longest = max(counts)
     if longest <= capacity:
-        return [p[2: 2 + n * width].reshape(n, width) for p, n in zip(parts, counts)], digests
+        return [p[start: start + n * width].reshape(n, width) for p, n in zip(parts, counts)], headers
     padded = torch.zeros(longest * width, dtype=torch.int64, device=device)
     padded[: count * width] = rows.reshape(-1).to(device)
     full = [torch.empty_like(padded) for _ in counts]
     dist.all_gather(full, padded, group=group)
-    return [p.cpu()[: n * width].reshape(n, width) for p, n in zip(full, counts)], digests
+    return [p.cpu()[: n * width].reshape(n, width) for p, n in zip(full, counts)], headers
 
 
 def _allgather_lengths(local_lengths: torch.Tensor, digest: int, group):
-    rows, digests = _allgather_rows(local_lengths.reshape(-1, 1).to(torch.int64), digest, 0, group)
-    return [r[:, 0] for r in rows], digests
+    rows, headers = _allgather_rows(local_lengths.reshape(-1, 1).to(torch.int64), [digest], 0, group)
+    return [r[:, 0] for r in rows], [h[0] for h in headers]
 
 
 def allgather_lengths(local_lengths: torch.Tensor, group=None) -> list[torch.Tensor]:
@@ -124,6 +120,8 @@ class EdgeMetadata:
     """[world] of [B_r, 1 + k] int64 CPU tensors: ``seq_lens`` (tokens), then the caller's k columns."""
     digests: list[int]
     """[world] digest of each rank's ``field_schema()``; ``exchange`` checks they agree."""
+    plan_digests: list[int]
+    """[world] each rank's ``plan_digest`` argument; ``gather_metadata`` checked they agree."""
 
     @property
     def lengths(self) -> list[torch.Tensor]:
@@ -137,7 +135,7 @@ class EdgeMetadata:
 
 
 def gather_metadata(batch: PackedBatch, columns: Sequence[torch.Tensor] = (), capacity: int = 0,
-                    group=None) -> EdgeMetadata:
+                    group=None, plan_digest: int = 0) -> EdgeMetadata:
     """All-gather what an edge needs to plan and size its moves, in ONE collective.
 
     Each rank contributes ``[B_r, schema digest, rows padded to capacity]``
@@ -151,17 +149,24 @@ def gather_metadata(batch: PackedBatch, columns: Sequence[torch.Tensor] = (), ca
     Collective: every rank calls it with the same number of columns and the
     same ``capacity``.
 
+    ``plan_digest`` rides along in the header: every rank computes each
+    redistribution plan on its own (the balancer sums float costs), so the
+    caller passes a digest of the plan it executed last (``plan_digest``) and
+    all ranks fail together here if any two differ.
+
     Args:
         batch: this rank's samples.
         columns: k tensors of [B_r] integers (cast to int64), one value per sample.
         capacity: rows every rank pads to in the first all-gather (>= 0).
         group: process group (default: world).
+        plan_digest: digest of this rank's previous plan (0: none yet).
 
     Returns:
         ``EdgeMetadata`` with every rank's rows, in rank order.
 
     Raises:
         ValueError: a column does not have one value per sample, or capacity < 0.
+        RuntimeError: the ranks' ``plan_digest`` differ (on every rank).
     """
     if capacity < 0:
         raise ValueError(f"capacity is {capacity}; give the rows to pad to, >= 0")
@@ -172,8 +177,14 @@ def gather_metadata(batch: PackedBatch, columns: Sequence[torch.Tensor] = (), ca
     rows = torch.stack([batch.seq_lens.cpu(), *(c.cpu() for c in columns)], 1).to(torch.int64)
     digest = _schema_digest(batch.field_schema())
     if not dist.is_initialized() or dist.get_world_size(group) == 1:
-        return EdgeMetadata([rows], [digest])
-    return EdgeMetadata(*_allgather_rows(rows, digest, capacity, group))
+        return EdgeMetadata([rows], [digest], [plan_digest])
+    gathered, headers = _allgather_rows(rows, [digest, plan_digest], capacity, group)
+    plans = [h[1] for h in headers]
+    if len(set(plans)) > 1:
+        raise RuntimeError(f"ranks disagree on the last redistribution plan (digest per rank: {plans}); "
+                           "each rank computed it from the same gathered metadata, so a rank's balancer "
+                           "differs (library versions, float costs): samples were lost or duplicated")
+    return EdgeMetadata(gathered, [h[0] for h in headers], plans)
 
 
 def _gather_metadata(batch, src_counts: Sequence[int], group, all_lengths, metadata=None):
@@ -355,10 +366,10 @@ def _check_inputs(batch, plan, group, node_of_rank, node_buffer) -> None:
         raise ValueError("give node_of_rank and node_buffer together (or neither)")
     if node_of_rank is not None and len(node_of_rank) != world:
         raise ValueError(f"node_of_rank has {len(node_of_rank)} entries; need one per rank ({world})")
-    device = _comm_device(group)
+    device = wire_device(group)
     if batch.field_schema() and batch.device.type != device.type:
-        raise ValueError(f"batch is on {batch.device} but backend {dist.get_backend(group)} "
-                         f"moves {device.type} tensors; move the batch with .to()")
+        raise ValueError(f"batch is on {batch.device} but the data plane moves {device.type} tensors "
+                         "over this group; move the batch with .to()")
 
 
 def _all_to_all_pieces(batch, plan: RankPlan, schema, sizes: _WireSizes, group, device
@@ -454,7 +465,7 @@ def exchange(
         plan = plan.for_rank(rank)
     schema, lengths = _gather_metadata(batch, plan.src_counts, group, all_lengths, metadata)
     sizes = _rank_wire_sizes(plan, schema, lengths, node_of_rank)
-    device = _comm_device(group)
+    device = wire_device(group)
     for dst in range(world):
         if sizes.send_via_shm[dst] and sizes.send[dst]:
             out = node_buffer.reserve(step, edge, rank, dst, sizes.send[dst])
@@ -528,7 +539,7 @@ def exchange_centralized(
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     schema, lengths = _gather_metadata(batch, [len(h) for h in plan.src_holdings], group, all_lengths,
                                        metadata)
-    device = _comm_device(group)
+    device = wire_device(group)
     planned = [_planned_lengths(plan, lengths, dst) for dst in range(world)]
     inbound = [piece_nbytes(schema, sum(lens), len(lens)) for lens in lengths]
     outbound = [piece_nbytes(schema, sum(lens), len(lens)) for lens in planned]

@@ -19,6 +19,7 @@ milliseconds at hundreds of ranks (docs/benchmarks.md, "The balancer").
 from __future__ import annotations
 
 import bisect
+import hashlib
 import itertools
 from dataclasses import dataclass
 from typing import Mapping, Sequence, Union
@@ -360,3 +361,10 @@ def _keeps_up(src_holdings, costs, bins, num_ranks: int, equal_counts: bool) -> 
     ids = [gid for held in src_holdings for gid in held]
     balanced = max(sum(costs[ids[i]] for i in b) for b in bins)
     return current <= balanced
+
+
+def plan_digest(target: Sequence[Sequence[int]]) -> int:
+    """A nonzero 62-bit digest of ``target`` (the global sample ids each rank is to hold, in order):
+    equal exactly when two ranks computed the same plan."""
+    text = ";".join(",".join(map(str, ids)) for ids in target)
+    return (int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little") >> 2) + 1

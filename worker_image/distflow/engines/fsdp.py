@@ -25,24 +25,36 @@ from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor
 
 
+from distflow.engines.model_ops import eval_mode
+from distflow.process_group import backend_for
+
+
 @dataclass(frozen=True)
 class DeviceInfo:
     device: torch.device
-    backend: str  # "gloo" or "nccl"
+    backend: str
+    """``process_group.backend_for(device.type)``: "gloo", or "cpu:gloo,cuda:nccl"."""
 
 
-def select_device(requested: str, local_rank: int) -> DeviceInfo:
-    """cuda + NCCL when asked for (or `auto` and available), else CPU + gloo.
+def select_device(requested: str, device_index: int) -> DeviceInfo:
+    """cuda + NCCL (with gloo for CPU tensors) when asked for (or `auto` and available), else CPU + gloo.
+
+    Args:
+        device_index: the worker's process index on its machine; it runs on that GPU.
 
     Raises:
-        ValueError: `cuda` requested but no GPU is visible.
+        ValueError: `cuda` requested but no GPU is visible, or fewer GPUs than
+            ``device_index + 1`` (two workers on one GPU would make NCCL fail).
     """
     if requested == "cuda" or (requested == "auto" and torch.cuda.is_available()):
         if not torch.cuda.is_available():
             raise ValueError("cluster.device: cuda requested but torch sees no GPU; use cpu or auto")
-        torch.cuda.set_device(local_rank % torch.cuda.device_count())
-        return DeviceInfo(torch.device("cuda", torch.cuda.current_device()), "nccl")
-    return DeviceInfo(torch.device("cpu"), "gloo")
+        if device_index >= torch.cuda.device_count():
+            raise ValueError(f"worker {device_index} of this machine has no GPU of its own ({torch.cuda.device_count()} "
+                             "visible); lower cluster.procsPerNode (and, locally, cluster.numNodes) to the GPU count")
+        torch.cuda.set_device(device_index)
+        return DeviceInfo(torch.device("cuda", torch.cuda.current_device()), backend_for("cuda"))
+    return DeviceInfo(torch.device("cpu"), backend_for("cpu"))
 
 
 def dp_mesh(device: torch.device, world_size: int) -> DeviceMesh:
@@ -140,7 +152,7 @@ class RolloutWeights:
 
     @contextmanager
     def policy(self, metrics=None) -> Iterator[torch.nn.Module]:
-        """The model to call ``generate`` on inside the block.
+        """The model to call ``generate`` on inside the block, in eval mode.
 
         Shared weights are all-gathered on entry; with ``metrics`` that costs
         ``timing_s/weight_sync`` and ``perf/weight_sync_bytes`` (bytes
@@ -150,6 +162,7 @@ class RolloutWeights:
             yield self.copy
             return
         with ExitStack() as stack:
+            stack.enter_context(eval_mode(self.actor_model))
             with metrics.timer("weight_sync") if metrics is not None else nullcontext():
                 model = stack.enter_context(unsharded(self.actor_model))
             if metrics is not None:

@@ -332,3 +332,19 @@ def compute_log_probs(model, batch: PackedBatch, pad_token_id: int, micro_batch_
     if not pieces:
         return torch.zeros(0)
     return torch.cat(pieces)
+
+
+@contextlib.contextmanager
+def eval_mode(model: torch.nn.Module):
+    """``model`` in eval mode inside the block, its previous mode restored after.
+
+    Inference stages (rollout, old and reference log-probs) run in it: the
+    actor update leaves the policy in train mode, where dropout would perturb
+    what is sampled and scored.
+    """
+    was_training = model.training
+    model.eval()
+    try:
+        yield model
+    finally:
+        model.train(was_training)

@@ -48,31 +48,50 @@ class SamplingParams:
 log = logging.getLogger(__name__)
 
 
-def render_prompts(tokenizer, records, max_prompt_length: int, system_prompt: str | None = None) -> list[list[int]]:
-    """Chat-template each record's messages; keep the last ``max_prompt_length`` tokens.
+def render_prompt(tokenizer, record, system_prompt: str | None = None) -> list[int]:
+    """A record's messages chat-templated into token ids, with the generation prompt.
 
     ``system_prompt`` replaces the record's own system message, if any.
     """
-    out = []
-    for rec in records:
-        messages = list(rec.messages)
-        if system_prompt is not None:
-            messages = [{"role": "system", "content": system_prompt}] + [
-                m for m in messages if m.get("role") != "system"]
-        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
-            ids = ids["input_ids"]
-        out.append(list(ids)[-max_prompt_length:])
-    return out
+    messages = list(record.messages)
+    if system_prompt is not None:
+        messages = [{"role": "system", "content": system_prompt}] + [
+            m for m in messages if m.get("role") != "system"]
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+        ids = ids["input_ids"]
+    return list(ids)
 
 
-def _trim_response(tokens: torch.Tensor, eos_ids: set[int], pad_id: int) -> list[int]:
+def render_prompts(tokenizer, records, max_prompt_length: int, system_prompt: str | None = None) -> list[list[int]]:
+    """``render_prompt`` of each record; keep the last ``max_prompt_length`` tokens
+    (``data.truncation: left``; with ``error`` or ``filter`` every prompt fits already)."""
+    return [render_prompt(tokenizer, rec, system_prompt)[-max_prompt_length:] for rec in records]
+
+
+def eos_token_ids(model, tokenizer) -> list[int]:
+    """Every token id that ends a response: the tokenizer's ``eos_token_id`` and all of
+    ``model.generation_config.eos_token_id`` (an int or a list), sorted.
+
+    Chat models list their end-of-turn token there beside the tokenizer's EOS
+    (Qwen2.5: ``<|im_end|>`` and ``<|endoftext|>``; Llama-3: ``<|eot_id|>``).
+    """
+    ids: set[int] = set()
+    for value in (tokenizer.eos_token_id,
+                  getattr(getattr(model, "generation_config", None), "eos_token_id", None)):
+        if value is not None:
+            ids.update(value if isinstance(value, (list, tuple)) else [value])
+    return sorted(ids)
+
+
+def _trim_response(tokens: torch.Tensor, eos_ids: list[int], pad_id: int) -> list[int]:
+    stops = set(eos_ids)
     out = []
     for t in tokens.tolist():
         out.append(t)
-        if t in eos_ids:
+        if t in stops:
             break
-    while out and out[-1] == pad_id and pad_id not in eos_ids:
+    while out and out[-1] == pad_id and pad_id not in stops:
         out.pop()
     return out
 
@@ -80,7 +99,7 @@ def _trim_response(tokens: torch.Tensor, eos_ids: set[int], pad_id: int) -> list
 @torch.no_grad()
 def generate(model, tokenizer, prompts: list[list[int]], group_index: list[int],
              params: SamplingParams, seed: int, device: torch.device) -> PackedBatch:
-    """Sample ``params.n`` responses per prompt.
+    """Sample ``params.n`` responses per prompt; a response ends at any of ``eos_token_ids``.
 
     Args:
         prompts: token ids per prompt (this rank's).
@@ -92,9 +111,8 @@ def generate(model, tokenizer, prompts: list[list[int]], group_index: list[int],
     gen = torch.Generator(device="cpu").manual_seed(seed)
     torch.manual_seed(int(torch.randint(0, 2**31 - 1, (1,), generator=gen)))
     pad_id = tokenizer.pad_token_id
-    eos = tokenizer.eos_token_id
-    eos_ids = set(eos if isinstance(eos, list) else [eos])
-    kwargs = dict(max_new_tokens=params.max_new_tokens, pad_token_id=pad_id, eos_token_id=list(eos_ids))
+    eos_ids = eos_token_ids(model, tokenizer)
+    kwargs = dict(max_new_tokens=params.max_new_tokens, pad_token_id=pad_id, eos_token_id=eos_ids)
     if params.temperature > 0:
         kwargs.update(do_sample=True, temperature=params.temperature, top_p=params.top_p,
                       top_k=params.top_k or None)

@@ -1,0 +1,61 @@
+"""The job's process group: which backend serves which device, chosen in one place.
+
+A CUDA run creates the world group with two backends, ``cpu:gloo,cuda:nccl``
+(torchtitan does the same): CUDA tensors go over NCCL, CPU tensors over
+gloo. An NCCL-only group fails on the first collective that is handed a CPU
+tensor (metadata, counters, object collectives), and such tensors are easy to
+add and invisible on the CPU runs the tests do. With both backends a
+collective is served whichever device its tensors are on; the data plane
+still moves its bulk on the device backend (``wire_device``).
+
+Every process group of the runtime is created here (a unit test scans the
+package for others), so no group exists that a CPU tensor cannot travel on.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch.distributed.distributed_c10d import BackendConfig
+
+CPU_BACKEND = "gloo"
+
+
+def backend_for(device_type: str) -> str:
+    """The process-group backend string for workers on ``device_type`` (``cpu`` or ``cuda``).
+
+    CUDA: ``cpu:gloo,cuda:nccl``; CPU: ``gloo``.
+    """
+    if device_type == "cuda":
+        return f"cpu:{CPU_BACKEND},cuda:nccl"
+    return CPU_BACKEND
+
+
+def device_backends(backend: str) -> dict[str, str]:
+    """Device type -> backend name that serves it, for a backend string as ``backend_for`` gives.
+
+    ``"nccl"`` -> ``{"cuda": "nccl"}``; ``"cpu:gloo,cuda:nccl"`` -> ``{"cpu": "gloo", "cuda": "nccl"}``.
+    """
+    return {device: str(name) for device, name in BackendConfig(backend).get_device_backend_map().items()}
+
+
+def wire_device_type(backend: str) -> str:
+    """Where the data plane keeps the tensors it moves over a group with ``backend``:
+    ``cuda`` when NCCL serves CUDA tensors (it is the fast path), else ``cpu``.
+
+    (gloo also takes CUDA tensors, but stages them through host memory.)
+    """
+    return "cuda" if device_backends(backend).get("cuda", "").startswith("nccl") else "cpu"
+
+
+def wire_device(group=None) -> torch.device:
+    """The device of the tensors the data plane moves over ``group`` (default: world)."""
+    if wire_device_type(dist.get_backend(group)) == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def init(device: torch.device, init_method: str, rank: int, world_size: int) -> None:
+    """Create the world group for workers on ``device`` (``backend_for(device.type)``)."""
+    dist.init_process_group(backend_for(device.type), init_method=init_method, rank=rank,
+                            world_size=world_size)
