@@ -405,7 +405,7 @@ def compute_log_probs(model, batch: PackedBatch, pad_token_id: int, micro_batch_
     for chunk in split_micro_batches(batch, micro_batch_size):
         mb = collate(chunk, pad_token_id, share_prompt_prefix)
         lp, _ = forward_log_probs(model, mb, temperature, False, mixed_precision)
-        pieces.append(unwindow(mb, lp.cpu()))
+        pieces.append(unwindow(mb, lp.to(batch.device)))  # stays on the step data's device
     if not pieces:
         return torch.zeros(0)
     return torch.cat(pieces)

@@ -1,0 +1,153 @@
+"""Shared-prompt attention on CPU: forward time and peak memory against the per-sample path.
+
+    python -m tests.bench.shared_attention [--lengths 256,512,1024,2048] [--out FILE.json]
+
+One GRPO group (a prompt of ``prompt_len`` tokens, ``n`` responses of R tokens
+each) runs the log-prob forward (no gradient) three ways, side by side in one
+process, round-robin, median of ``repeats``:
+
+- ``per_sample``: n left-padded rows ``[n, P + R]`` (sdpa, causal);
+- ``dense``: one shared row ``[1, P + nR]`` with the ``[1, 1, S, S]`` boolean mask (sdpa);
+- ``flex``: the same row with FlexAttention's ``BlockMask``, run eagerly:
+  inductor's CPU build of flex attention takes minutes per shape on two cores,
+  and FlexAttention has no backward on CPU, so this column shows what the CUDA
+  default costs when it cannot compile, and stops at ``flex_max_len``.
+
+Peak memory is the growth of the process's peak RSS (VmHWM, reset before each
+forward) over its RSS before it. The model has SmolLM2-135M's widths
+(hidden 576, 9 query / 3 key-value heads, vocabulary 49152) with 4 layers
+instead of 30, so that two cores finish in minutes; attention's share of the
+time is what changes between the columns.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from tests.bench._common import median, peak_rss_bytes, reset_peak_rss, rotated
+
+VARIANTS = ("per_sample", "dense", "flex")
+
+
+def smollm2_sized(num_layers: int = 4):
+    """A random Llama with SmolLM2-135M's widths and ``num_layers`` layers, float32, sdpa."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    config = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536,
+                         num_hidden_layers=num_layers, num_attention_heads=9, num_key_value_heads=3,
+                         max_position_embeddings=8192, rope_theta=100000.0, tie_word_embeddings=True,
+                         bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        return AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa").eval()
+
+
+def group_batch(prompt_len: int, response_len: int, n: int, seed: int = 0):
+    """One prompt with ``n`` responses of ``response_len`` tokens, as a ``PackedBatch``."""
+    from distflow.data.batch import PackedBatch
+
+    gen = torch.Generator().manual_seed(seed)
+    prompt = torch.randint(3, 49152, (prompt_len,), generator=gen)
+    ids = [torch.cat([prompt, torch.randint(3, 49152, (response_len,), generator=gen)]) for _ in range(n)]
+    mask = torch.tensor([0] * prompt_len + [1] * response_len, dtype=torch.int8).repeat(n)
+    full = lambda v: torch.full((n,), v)  # noqa: E731
+    return PackedBatch(full(prompt_len + response_len), {"input_ids": torch.cat(ids), "response_mask": mask},
+                       {"group_index": full(0), "prompt_len": full(prompt_len), "response_len": full(response_len)})
+
+
+def _current_rss() -> int:
+    pages = int(Path("/proc/self/statm").read_text().split()[1])
+    return pages * 4096
+
+
+def _measure(model, mb, variant: str) -> tuple[float, int, torch.Tensor]:
+    """(seconds, peak bytes above the RSS before, log-probs [b, R]) of one no-grad forward."""
+    from distflow.engines import model_ops
+
+    kwargs = {} if variant == "per_sample" else {"shared_attention": variant}
+    reset_peak_rss()
+    before = _current_rss()
+    start = time.perf_counter()
+    with torch.no_grad():
+        lp, _ = model_ops.forward_log_probs(model, mb, 1.0, False, **kwargs)
+    seconds = time.perf_counter() - start
+    return seconds, max(0, peak_rss_bytes() - before), lp
+
+
+def _eager_flex() -> None:
+    """Run FlexAttention uncompiled inside transformers (see the module docstring)."""
+    from torch.nn.attention.flex_attention import flex_attention
+    from transformers.integrations import flex_attention as hf_flex
+
+    hf_flex.WrappedFlexAttention.__call__ = lambda self: flex_attention
+
+
+def run(lengths=(256, 512, 1024, 2048), prompt_len: int = 256, n: int = 4, repeats: int = 2,
+        num_layers: int = 4, flex_max_len: int = 1024) -> dict:
+    """Rows per response length: median seconds and peak bytes per variant, and the
+    largest |log-prob difference| of each shared variant from the per-sample path."""
+    from distflow.engines import model_ops
+
+    torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
+    _eager_flex()
+    model = smollm2_sized(num_layers)
+    warm = group_batch(prompt_len, 16, n)
+    for variant in VARIANTS:  # first calls trace and allocate: keep them out of the timings
+        _measure(model, model_ops.collate(warm, 0, share_prompt_prefix=variant != "per_sample"), variant)
+    rows = []
+    for response_len in lengths:
+        batch = group_batch(prompt_len, response_len, n)
+        mbs = {"per_sample": model_ops.collate(batch, 0),
+               "dense": model_ops.collate(batch, 0, share_prompt_prefix=True)}
+        mbs["flex"] = mbs["dense"]
+        variants = [v for v in VARIANTS if v != "flex" or response_len <= flex_max_len]
+        seconds = {v: [] for v in variants}
+        peak, lps = {}, {}
+        for k in range(repeats):
+            for v in rotated(variants, k):
+                s, p, lp = _measure(model, mbs[v], v)
+                seconds[v].append(s)
+                peak[v], lps[v] = max(peak.get(v, 0), p), lp
+        mask = mbs["per_sample"].response_mask.bool()
+        rows.append({"response_len": response_len, "prompt_len": prompt_len, "n": n,
+                     "seconds": {v: median(t) for v, t in seconds.items()}, "peak_bytes": peak,
+                     "max_abs_lp_diff": {v: float((lps[v] - lps["per_sample"])[mask].abs().max())
+                                         for v in variants if v != "per_sample"}})
+    return {"num_layers": num_layers, "threads": torch.get_num_threads(), "torch": torch.__version__,
+            "rows": rows}
+
+
+def table(result: dict) -> str:
+    """Markdown, the variants side by side: seconds, peak MiB, and each shared path over per-sample."""
+    head = ("| R | tokens | per-sample s | dense s | flex (eager) s | per-sample MiB | dense MiB | flex MiB "
+            "| dense/per-sample time | dense/per-sample mem |")
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    for r in result["rows"]:
+        s, m = r["seconds"], {k: v / 2**20 for k, v in r["peak_bytes"].items()}
+        fmt = lambda d, k, f: f.format(d[k]) if k in d else "-"  # noqa: E731
+        lines.append(f"| {r['response_len']} | {r['prompt_len'] + r['n'] * r['response_len']} "
+                     f"| {s['per_sample']:.2f} | {s['dense']:.2f} | {fmt(s, 'flex', '{:.2f}')} "
+                     f"| {m['per_sample']:.0f} | {m['dense']:.0f} | {fmt(m, 'flex', '{:.0f}')} "
+                     f"| {s['dense'] / s['per_sample']:.2f} | {m['dense'] / max(m['per_sample'], 1e-9):.2f} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--lengths", default="256,512,1024,2048")
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--out", default="")
+    args = parser.parse_args()
+    result = run(tuple(int(x) for x in args.lengths.split(",")), repeats=args.repeats)
+    print(table(result))
+    if args.out:
+        Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
