@@ -34,7 +34,7 @@ from tests.bench._common import median, peak_rss_bytes, reset_peak_rss, rotated
 VARIANTS = ("per_sample", "dense", "flex")
 
 
-def smollm2_sized(num_layers: int = 4):
+def smollm2_sized(num_layers: int = 4, device: str = "cpu"):
     """A random Llama with SmolLM2-135M's widths and ``num_layers`` layers, float32, sdpa."""
     from transformers import AutoModelForCausalLM, LlamaConfig
 
@@ -44,7 +44,8 @@ def smollm2_sized(num_layers: int = 4):
                          bos_token_id=1, eos_token_id=2, pad_token_id=0)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
-        return AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa").eval()
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa")
+    return model.to(device).eval()
 
 
 def group_batch(prompt_len: int, response_len: int, n: int, seed: int = 0):
@@ -66,17 +67,44 @@ def _current_rss() -> int:
 
 
 def _measure(model, mb, variant: str) -> tuple[float, int, torch.Tensor]:
-    """(seconds, peak bytes above the RSS before, log-probs [b, R]) of one no-grad forward."""
+    """(seconds, peak bytes above those held before, log-probs [b, R]) of one no-grad forward:
+    process RSS on CPU, the caching allocator's peak on CUDA."""
     from distflow.engines import model_ops
 
     kwargs = {} if variant == "per_sample" else {"shared_attention": variant}
-    reset_peak_rss()
-    before = _current_rss()
+    cuda = next(model.parameters()).is_cuda
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+    else:
+        reset_peak_rss()
+        before = _current_rss()
     start = time.perf_counter()
     with torch.no_grad():
         lp, _ = model_ops.forward_log_probs(model, mb, 1.0, False, **kwargs)
+    if cuda:
+        torch.cuda.synchronize()
     seconds = time.perf_counter() - start
-    return seconds, max(0, peak_rss_bytes() - before), lp
+    peak = torch.cuda.max_memory_allocated() if cuda else peak_rss_bytes()
+    return seconds, max(0, peak - before), lp.float().cpu()
+
+
+def max_grad_difference(model, batch, variant: str) -> float:
+    """Largest |gradient difference| over the parameters between the per-sample path and
+    ``variant`` for the loss sum(log-probs) (FlexAttention has a backward on CUDA only)."""
+    from distflow.engines import model_ops
+
+    def grads(mb, **kwargs):
+        model.zero_grad(set_to_none=True)
+        lp, _ = model_ops.forward_log_probs(model, mb, 1.0, False, **kwargs)
+        (lp * mb.response_mask.to(lp.device)).sum().backward()
+        return [p.grad.detach().clone() for p in model.parameters()]
+
+    plain = grads(model_ops.collate(batch, 0))
+    shared = grads(model_ops.collate(batch, 0, share_prompt_prefix=True), shared_attention=variant)
+    model.zero_grad(set_to_none=True)
+    return max(float((a - b).abs().max()) for a, b in zip(plain, shared))
 
 
 def _eager_flex() -> None:
@@ -88,16 +116,26 @@ def _eager_flex() -> None:
 
 
 def run(lengths=(256, 512, 1024, 2048), prompt_len: int = 256, n: int = 4, repeats: int = 2,
-        num_layers: int = 4, flex_max_len: int = 1024) -> dict:
+        num_layers: int = 4, flex_max_len: int = 1024, device: str = "cpu", grad_check: bool | None = None
+        ) -> dict:
     """Rows per response length: median seconds and peak bytes per variant, and the
-    largest |log-prob difference| of each shared variant from the per-sample path."""
+    largest |log-prob difference| of each shared variant from the per-sample path.
+    On CUDA FlexAttention compiles (no ``flex_max_len``); gradients are compared when
+    ``grad_check`` (default: on CUDA; on CPU only the dense path, as flex has no CPU backward)."""
     from distflow.engines import model_ops
 
-    torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
-    _eager_flex()
-    model = smollm2_sized(num_layers)
+    cuda = torch.device(device).type == "cuda"
+    check_grads = cuda if grad_check is None else grad_check
+    if not cuda:
+        torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
+        _eager_flex()
+        lengths_for_flex = flex_max_len
+    else:
+        lengths_for_flex = max(lengths)
+    model = smollm2_sized(num_layers, device)
     warm = group_batch(prompt_len, 16, n)
-    for variant in VARIANTS:  # first calls trace and allocate: keep them out of the timings
+    warm_variants = VARIANTS if lengths_for_flex >= min(lengths) else VARIANTS[:2]
+    for variant in warm_variants:  # first calls trace and allocate: keep them out of the timings
         _measure(model, model_ops.collate(warm, 0, share_prompt_prefix=variant != "per_sample"), variant)
     rows = []
     for response_len in lengths:
@@ -105,7 +143,7 @@ def run(lengths=(256, 512, 1024, 2048), prompt_len: int = 256, n: int = 4, repea
         mbs = {"per_sample": model_ops.collate(batch, 0),
                "dense": model_ops.collate(batch, 0, share_prompt_prefix=True)}
         mbs["flex"] = mbs["dense"]
-        variants = [v for v in VARIANTS if v != "flex" or response_len <= flex_max_len]
+        variants = [v for v in VARIANTS if v != "flex" or response_len <= lengths_for_flex]
         seconds = {v: [] for v in variants}
         peak, lps = {}, {}
         for k in range(repeats):
@@ -118,13 +156,16 @@ def run(lengths=(256, 512, 1024, 2048), prompt_len: int = 256, n: int = 4, repea
                      "seconds": {v: median(t) for v, t in seconds.items()}, "peak_bytes": peak,
                      "max_abs_lp_diff": {v: float((lps[v] - lps["per_sample"])[mask].abs().max())
                                          for v in variants if v != "per_sample"}})
-    return {"num_layers": num_layers, "threads": torch.get_num_threads(), "torch": torch.__version__,
-            "rows": rows}
+        if check_grads:
+            rows[-1]["max_abs_grad_diff"] = {v: max_grad_difference(model, batch, v)
+                                             for v in (("dense", "flex") if cuda else ("dense",))}
+    return {"device": device, "num_layers": num_layers, "threads": torch.get_num_threads(),
+            "torch": torch.__version__, "rows": rows}
 
 
 def table(result: dict) -> str:
     """Markdown, the variants side by side: seconds, peak MiB, and each shared path over per-sample."""
-    head = ("| R | tokens | per-sample s | dense s | flex (eager) s | per-sample MiB | dense MiB | flex MiB "
+    head = ("| R | tokens | per-sample s | dense s | flex s | per-sample MiB | dense MiB | flex MiB "
             "| dense/per-sample time | dense/per-sample mem |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in result["rows"]:
