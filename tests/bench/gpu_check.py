@@ -255,7 +255,7 @@ def shared_attention(device: torch.device, quick: bool) -> dict:
     if quick:  # eager FlexAttention's first call traces for a minute on two cores: the unit tests cover it
         return bench.run(lengths=(16,), prompt_len=8, n=2, repeats=1, num_layers=1, device=device.type,
                          flex_max_len=0, grad_check=True)
-    return bench.run(lengths=(256, 1024, 2048), repeats=3, num_layers=4, device=device.type)
+    return bench.run(lengths=(256, 1024, 2048), repeats=3, num_layers=4, device=device.type, vocab_size=49152)
 
 
 def run(device: torch.device, quick: bool, budget_s: float) -> dict:
