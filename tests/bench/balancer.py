@@ -136,6 +136,8 @@ def _coordinator_plans() -> dict:
     (this rank's send row and receive column) and ``exchange._rank_wire_sizes``.
     The metadata all-gathers before it are measured by the funnel.
     """
+    import torch
+
     from distflow.data import exchange
     from distflow.data.redistribute import balanced_assignment, plan_for_rank
 
@@ -147,7 +149,7 @@ def _coordinator_plans() -> dict:
         held = _holdings(k, per)
         plan = plan_for_rank(held, balanced_assignment(held, costs), 0)
         lengths = [[int(costs[g]) for g in ids] for ids in held]
-        exchange._rank_wire_sizes(plan, schema, lengths, None)
+        exchange._rank_wire_sizes(plan, schema, lengths, None, torch.device("cpu"))
 
     return {"runtime": runtime}
 

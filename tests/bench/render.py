@@ -294,30 +294,10 @@ def render_gpu(result: dict | None) -> str:
     if not result:
         return ("**Not run yet.** No GPU machine was lent to the session that wrote this report. Run "
                 "`python -m tests.bench.gpu_check` on one (under 10 minutes); it writes "
-                "docs/benchmarks/gpu_results.json, which the report then shows here with its date.")
-    if "skipped" in result:
-        return f"Skipped: {result['skipped']}"
-    copy = result["device_copy"]
-    lines = [f"Run on {result['date']}: {result['device_count']} x {result['device']}, torch {result['torch']}, "
-             f"NCCL {result['nccl']}.", "",
-             md_table(["measure", "GB/s"], [[k.replace("_bytes_per_s", ""), f"{v / 1e9:.1f}"]
-                                            for k, v in copy.items() if k.endswith("_per_s")]
-                      + [["PackedBatch.select on device", f"{result['pack']['bytes_per_s'] / 1e9:.1f}"]])]
-    red = result["redistribution"]
-    if "rows" in red:
-        lines += ["", md_table(["L", "busiest rank bytes", "distflow GB/s", "centralized GB/s", "bare a2a GB/s",
-                                "distflow / device copy"],
-                               [[r["nominal_tokens"], fmt_bytes(r["busiest_rank_bytes"])]
-                                + [f"{r['busiest_bytes_per_s'][k] / 1e9:.1f}" for k in
-                                   ("distflow", "centralized", "bare_all_to_all")]
-                                + [f"{r['busiest_bytes_per_s']['distflow'] / copy['d2d_bytes_per_s']:.3f}"]
-                                for r in red["rows"]])]
-    else:
-        lines += ["", f"Redistribution: {red.get('skipped')}"]
-    lines += ["", f"Training on CUDA ({result['train_step']['workers']} worker(s)): "
-              + "; ".join(f"step {i + 1}: {s.get('timing_s/step', 0):.2f} s" for i, s in
-                          enumerate(result["train_step"]["steps"]))]
-    return "\n".join(lines)
+                "docs/benchmarks/gpu-<date>.json and .md, which the report then shows here.")
+    from tests.bench.gpu_check import markdown
+
+    return markdown(result).split("\n", 1)[1].strip()  # without its title: this section has one
 
 
 def speedup_at(result: dict, n: int, length: int) -> float | None:

@@ -28,7 +28,6 @@ from tests.bench._common import DOCS_DIR, FIGURES_DIR, REPO_ROOT, machine_info, 
 
 SECTIONS = ("funnel", "balancer", "double_buffer", "e2e", "memory")
 RESULTS = FIGURES_DIR / "results.json"
-GPU_RESULTS = FIGURES_DIR / "gpu_results.json"
 COMMAND = "PYTHONPATH=worker_image:operator:. python -m tests.bench.report"
 PLANNERS = {
     "runtime": "per-edge plan on every rank: balanced_assignment + plan_for_rank + the exchange's "
@@ -257,11 +256,17 @@ def _body(results: dict, name: str, fn) -> str:
     return fn(entry["result"])
 
 
+def latest_gpu_results() -> dict | None:
+    """The newest ``docs/benchmarks/gpu-<date>.json`` from a GPU (dry runs excluded), or None."""
+    runs = sorted(p for p in FIGURES_DIR.glob("gpu-*.json") if not p.stem.endswith("-dry"))
+    return json.loads(runs[-1].read_text()) if runs else None
+
+
 def write_report(results: dict) -> str:
     from tests.bench import notes
 
     scaling_md, tables = render_scaling(results)
-    gpu = json.loads(GPU_RESULTS.read_text()) if GPU_RESULTS.exists() else None
+    gpu = latest_gpu_results()
     parts = [notes.intro(results, COMMAND),
              notes.targets_table(results, tables, gpu),
              _section_header(results, "funnel", "1. The funnel: distributed vs centralized redistribution"),

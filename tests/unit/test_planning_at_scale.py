@@ -242,7 +242,12 @@ def test_rank_wire_sizes_are_the_size_matrix_row_and_column():
         on_wire = any(sizes[s][d] and s != d and not shm[s][d] for s in range(k) for d in range(k))
         moved = any(sizes[s][d] for s in range(k) for d in range(k) if s != d)
         for rank in range(k):
-            mine = _rank_wire_sizes(plan_for_rank(holdings, target, rank), schema, lengths, node_of_rank)
+            rank_plan = plan_for_rank(holdings, target, rank)
+            mine = _rank_wire_sizes(rank_plan, schema, lengths, node_of_rank, torch.device("cpu"))
+            # CUDA batches never use the node buffer: every moved piece goes over NCCL
+            on_cuda = _rank_wire_sizes(rank_plan, schema, lengths, node_of_rank, torch.device("cuda", 0))
+            assert not any(on_cuda.send_via_shm) and not any(on_cuda.recv_via_shm)
+            assert (on_cuda.send, on_cuda.any_on_wire) == (mine.send, moved), trial
             assert mine.send == [0 if d == rank else sizes[rank][d] for d in range(k)], trial
             assert mine.recv == [0 if s == rank else sizes[s][rank] for s in range(k)], trial
             assert mine.send_via_shm == shm[rank]

@@ -168,3 +168,49 @@ def test_smollm2_log_probs_equal_the_per_sample_pass():
         lp_shared, _ = model_ops.forward_log_probs(model, shared, 1.0, False)
     mask = shared.response_mask.bool()
     torch.testing.assert_close(lp_shared[mask], lp[mask], rtol=1e-5, atol=1e-5)  # 30 layers: |lp| up to ~25
+
+
+@pytest.fixture
+def eager_flex(monkeypatch):
+    """FlexAttention without inductor: transformers compiles it on first use, which on
+    CPU takes minutes per shape; eager gives the same numbers on these tiny rows."""
+    from torch.nn.attention.flex_attention import flex_attention
+    from transformers.integrations import flex_attention as hf_flex
+
+    monkeypatch.setattr(hf_flex.WrappedFlexAttention, "__call__", lambda self: flex_attention)
+
+
+def test_block_mask_allows_exactly_the_dense_mask(eager_flex):
+    rows = model_ops.collate(make_batch(MIXED), PAD, share_prompt_prefix=True).prefix_rows
+    allowed = rows.attention_allowed(torch.device("cpu"))
+    block = rows.block_mask(torch.device("cpu"))
+    g, width = rows.segment.shape
+    assert block.shape == (g, 1, width, width)
+    q = torch.arange(width)
+    for b in range(g):
+        from_mask_mod = block.mask_mod(torch.tensor(b), torch.tensor(0), q[:, None], q[None, :])
+        assert torch.equal(from_mask_mod, allowed[b])
+
+
+def test_flex_attention_log_probs_and_entropy_equal_the_per_sample_pass(model, eager_flex):
+    """Tolerance: 1e-5 absolute (|lp| < ~6 on the 300-token vocabulary), as for sdpa. Forward
+    only: FlexAttention has no backward on CPU; gpu_check compares gradients on CUDA."""
+    batch = make_batch(MIXED, seed=4)
+    plain = model_ops.collate(batch, PAD)
+    shared = model_ops.collate(batch, PAD, share_prompt_prefix=True)
+    with torch.no_grad():
+        lp, ent = model_ops.forward_log_probs(model, plain, 1.0, True)
+        lp_flex, ent_flex = model_ops.forward_log_probs(model, shared, 1.0, True, shared_attention="flex")
+    assert model.config._attn_implementation in ("sdpa", "eager")  # restored after the forward
+    mask = plain.response_mask.bool()
+    torch.testing.assert_close(lp_flex[mask], lp[mask], rtol=0, atol=1e-5)
+    torch.testing.assert_close(ent_flex[mask], ent[mask], rtol=0, atol=1e-5)
+
+
+def test_shared_attention_defaults_to_flex_on_cuda_and_dense_on_cpu(model):
+    pick = model_ops.shared_attention_backend
+    assert pick(model, torch.device("cuda", 0)) == "flex"
+    assert pick(model, torch.device("cpu")) == "dense"
+    assert pick(model, torch.device("cpu"), "flex") == "flex"
+    with pytest.raises(ValueError, match="choose one of"):
+        pick(model, torch.device("cpu"), "packed")

@@ -17,7 +17,9 @@ ever holds the global batch, except rank 0 in ``centralized`` mode, which
 routes every edge through itself as a single-controller system does.
 
 Step data lives in a ``DoubleBuffer``: the swap at a step boundary is O(1)
-and the previous step's tensors are freed on a background thread.
+and the previous step's tensors are freed on a background thread. It lives on
+the worker's device: ``produce`` puts a batch there once and every edge keeps
+it there (NCCL moves CUDA tensors in place; no host copy per edge).
 """
 
 from __future__ import annotations
@@ -33,7 +35,6 @@ from distflow.data.counters import TransferCounters
 from distflow.data.exchange import exchange, exchange_centralized, gather_metadata
 from distflow.data.redistribute import balanced_assignment, plan_digest, plan_for_rank, plan_redistribution
 from distflow.planner import ROLLOUT, Plan, PlannedNode, same_samples
-from distflow.process_group import wire_device
 from distflow.spec import JobSpec
 
 
@@ -44,6 +45,8 @@ class DataCoordinator:
     rank: int
     counters: TransferCounters
     node_buffer: NodeBuffer | None = None
+    device: torch.device | None = None
+    """Where step data lives (the worker's device); None keeps each batch where its producer put it."""
     buffer: DoubleBuffer = field(default_factory=DoubleBuffer)
     step: int = 0
     placement: str = ROLLOUT
@@ -64,11 +67,13 @@ class DataCoordinator:
         return self.spec.data_plane.mode == "centralized"
 
     def produce(self, node_id: str, batch: PackedBatch) -> None:
-        """Record a node's output (this rank's samples, current placement)."""
+        """Record a node's output (this rank's samples, current placement), on ``device``."""
+        if self.device is not None:
+            batch = _to_device(batch, self.device)
         if node_id == "rollout" or "origin_rank" not in batch.sample_fields:
             batch = batch.with_fields(sample={
-                "origin_rank": torch.full((batch.num_samples,), self.rank, dtype=torch.long),
-                "origin_index": torch.arange(batch.num_samples, dtype=torch.long),
+                "origin_rank": torch.full((batch.num_samples,), self.rank, dtype=torch.long, device=batch.device),
+                "origin_index": torch.arange(batch.num_samples, dtype=torch.long, device=batch.device),
             })
         self.buffer.put("batch", batch)
         self.producer = node_id
@@ -134,17 +139,8 @@ class DataCoordinator:
         if not self.centralized and self.node_buffer is not None:
             kwargs.update(node_of_rank=[self.plan.node_of_rank(r) for r in range(self.plan.world_size)],
                           node_buffer=self.node_buffer, step=self.step)
-        wire = self._wire_device()
-        moved = run(_to_device(batch, wire), plan, None, self.counters, edge, **kwargs)
-        self.buffer.put("batch", _to_device(moved, torch.device("cpu")))
+        self.buffer.put("batch", run(batch, plan, None, self.counters, edge, **kwargs))
         self.placement = placement
-
-    @staticmethod
-    def _wire_device() -> torch.device:
-        """Where the exchange moves tensors: CUDA when NCCL serves the group, else CPU."""
-        import torch.distributed as dist
-
-        return wire_device() if dist.is_initialized() else torch.device("cpu")
 
     def _shares_prompts(self, batch: PackedBatch) -> bool:
         """The actor runs each prompt once per group (``actor.sharePromptPrefix``) and the

@@ -147,7 +147,8 @@ class DagWorker:
         node_buffer = None
         if spec.data_plane.node_buffer and spec.cluster.procs_per_node > 1:
             node_buffer = NodeBuffer(f"{env.job_name}-{env.master_port}", env.node_rank)
-        self.coordinator = DataCoordinator(spec, self.plan, self.rank, self.counters, node_buffer)
+        self.coordinator = DataCoordinator(spec, self.plan, self.rank, self.counters, node_buffer,
+                                           device=self.device)
         self._received_before = 0
         self.is_logger = env.rank == 0
         self.writer = JsonlWriter(spec.trainer.log_dir) if self.is_logger else None

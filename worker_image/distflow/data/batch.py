@@ -230,11 +230,18 @@ class PackedBatch:
         token: Mapping[str, torch.Tensor] | None = None,
         sample: Mapping[str, torch.Tensor] | None = None,
     ) -> "PackedBatch":
-        """A new batch with fields added or replaced (same samples, same seq_lens)."""
+        """A new batch with fields added or replaced (same samples, same seq_lens).
+
+        New fields join the batch's device (a stage's host-computed scores go to
+        the accelerator the step data lives on, not the batch to the host); a
+        batch without fields takes theirs.
+        """
+        device = self.device if self.token_fields or self.sample_fields else None
+        join = lambda new: {k: v if device is None else v.to(device) for k, v in (new or {}).items()}  # noqa: E731
         return PackedBatch(
             seq_lens=self.seq_lens,
-            token_fields={**self.token_fields, **(token or {})},
-            sample_fields={**self.sample_fields, **(sample or {})},
+            token_fields={**self.token_fields, **join(token)},
+            sample_fields={**self.sample_fields, **join(sample)},
         )
 
     def to_padded(

@@ -11,9 +11,12 @@ or receives and moves its data in ONE ``all_to_all_single``:
 A piece is one contiguous uint8 buffer holding, for its samples, every field
 in ``field_schema()`` order (token fields, then sample fields), each chunk
 padded to 8 bytes so the receiver can view it as float/int without copying.
-Samples that stay on their rank are never packed or sent; with a
-``NodeBuffer`` pieces between ranks of one node go through shared memory and
-only cross-node pieces use the collective.
+Samples that stay on their rank are never packed or sent; for CPU batches
+with a ``NodeBuffer``, pieces between ranks of one node go through shared
+memory and only cross-node pieces use the collective. CUDA batches never
+touch the node buffer: NCCL carries intra-node pieces device to device
+(NVLink or PCIe peer-to-peer), which host shared memory could only slow down
+with two pageable copies.
 
 ``exchange_centralized`` is the single-controller baseline (DistFlow's
 comparison, arXiv 2507.13833): every rank's whole batch goes to rank 0,
@@ -21,7 +24,7 @@ which reorders and sends each rank its part. Both return bit-identical batches.
 
 gloo implements ``all_to_all_single`` for CPU tensors (uneven splits, zero
 splits), so no list-based fallback is needed. On NCCL the batch must live on
-the current CUDA device; node-buffer pieces are staged through host memory.
+the current CUDA device, and every byte stays there.
 """
 
 from __future__ import annotations
@@ -251,8 +254,11 @@ class _WireSizes:
     """Some piece between two ranks has bytes; if none, the exchange is a cache hit."""
 
 
-def _rank_wire_sizes(plan: RankPlan, schema, lengths, node_of_rank) -> _WireSizes:
+def _rank_wire_sizes(plan: RankPlan, schema, lengths, node_of_rank, device: torch.device) -> _WireSizes:
     """This rank's send row and receive column of the [N][N] piece-size matrix, in O(B + N).
+
+    Same-node pieces go through the node buffer only for CPU batches
+    (``device``), when ``node_of_rank`` is given.
 
     The group-wide flags come from ``plan.destinations`` without sizing other
     ranks' pieces: a piece has bytes exactly when one of its samples alone
@@ -264,8 +270,10 @@ def _rank_wire_sizes(plan: RankPlan, schema, lengths, node_of_rank) -> _WireSize
         lens = lengths[src]
         return piece_nbytes(schema, sum(lens[p] for p in positions), len(positions)) if positions else 0
 
+    shm = node_of_rank is not None and device.type == "cpu"
+
     def via_shm(src: int, dst: int) -> bool:
-        return node_of_rank is not None and src != dst and node_of_rank[src] == node_of_rank[dst]
+        return shm and src != dst and node_of_rank[src] == node_of_rank[dst]
 
     sample_has_bytes = piece_nbytes(schema, 0, 1) > 0
     token_has_bytes = piece_nbytes(schema, 1, 0) > 0
@@ -289,12 +297,8 @@ def _rank_wire_sizes(plan: RankPlan, schema, lengths, node_of_rank) -> _WireSize
 
 
 def _pack_into(out: torch.Tensor, batch: PackedBatch, positions: Sequence[int], schema) -> None:
-    """Write the samples at ``positions`` of ``batch`` into the uint8 buffer ``out`` (one copy)."""
-    if out.device != batch.device:
-        staged = torch.empty(out.numel(), dtype=torch.uint8, device=batch.device)
-        _pack_into(staged, batch, positions, schema)
-        out.copy_(staged)
-        return
+    """Write the samples at ``positions`` of ``batch`` into the uint8 buffer ``out`` (one copy,
+    on their common device)."""
     runs = batch.row_ranges(positions)
     rows = {TOKEN: sum(t1 - t0 for _, _, t0, t1 in runs), SAMPLE: sum(b - a for a, b, _, _ in runs)}
     offset = 0
@@ -434,7 +438,8 @@ def exchange(
         counters: records wire bytes (fields padded to 8 bytes) per edge.
         edge: name of the DAG edge, e.g. ``"rollout->actor"``.
         node_of_rank: node index of each group rank; with ``node_buffer``,
-            pieces between ranks of one node go through shared memory.
+            pieces between ranks of one node go through shared memory (CPU
+            batches only: on CUDA, NCCL carries them device to device).
         all_lengths: [world] of [B_r] int64, from ``allgather_lengths``, when
             the caller already gathered them (e.g. to balance); the schema
             digests then still cost one all-gather.
@@ -464,8 +469,8 @@ def exchange(
     if isinstance(plan, RedistributionPlan):
         plan = plan.for_rank(rank)
     schema, lengths = _gather_metadata(batch, plan.src_counts, group, all_lengths, metadata)
-    sizes = _rank_wire_sizes(plan, schema, lengths, node_of_rank)
     device = wire_device(group)
+    sizes = _rank_wire_sizes(plan, schema, lengths, node_of_rank, device)
     for dst in range(world):
         if sizes.send_via_shm[dst] and sizes.send[dst]:
             out = node_buffer.reserve(step, edge, rank, dst, sizes.send[dst])
@@ -474,7 +479,7 @@ def exchange(
     received = _all_to_all_pieces(batch, plan, schema, sizes, group, device)
     for src in range(world):
         if sizes.recv_via_shm[src] and sizes.recv[src]:
-            received[src] = node_buffer.take(step, edge, src, rank).to(device)
+            received[src] = node_buffer.take(step, edge, src, rank)
     result = _assemble(plan.recv_segments(), _sources(batch, plan, received, schema, lengths, device),
                        schema, device)
     if counters is not None:

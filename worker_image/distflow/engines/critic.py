@@ -96,7 +96,7 @@ class Critic:
         for chunk in model_ops.split_micro_batches(batch, self.spec.critic.micro_batch_size):
             mb = model_ops.collate(chunk, self.pad_token_id)
             values = forward_values(self.model, mb, self.spec.model.mixed_precision)
-            pieces.append(model_ops.unwindow(mb, values.cpu()))
+            pieces.append(model_ops.unwindow(mb, values.to(mb.source.device)))
         return torch.cat(pieces) if pieces else torch.zeros(0)
 
     def update(self, batch: PackedBatch, metrics) -> None:
@@ -143,7 +143,7 @@ class Critic:
             ntok = float(mask.sum())
             metrics.add_sum("critic/vf_loss", float(loss.detach()) / num_steps)
             metrics.add_mean("critic/vf_clipfrac", float(clipfrac) * ntok, ntok)
-            predictions.append(model_ops.unwindow(mb, values.detach().cpu()))
+            predictions.append(model_ops.unwindow(mb, values.detach().to(mb.source.device)))
         grad_norm = fsdp.grad_norm_and_clip(self.model, c.grad_clip)
         if torch.isfinite(torch.tensor(grad_norm)):
             self.optimizer.step()

@@ -20,6 +20,14 @@ earlier tokens but no other response, and its position ids continue from P,
 so every response's hidden states, and hence log-probs, entropies and
 gradients, equal the per-sample pass's up to float rounding. The results are
 scattered back into the same response window, so callers do not change.
+
+The mask takes one of two forms (``SHARED_ATTENTION``). ``flex``:
+FlexAttention's ``BlockMask`` (torch.nn.attention.flex_attention), built from
+the ``[g, S]`` segment ids, so no ``[g, S, S]`` tensor is kept and fully masked
+128x128 tiles (one response against another) are skipped; the default on CUDA.
+``dense``: the ``[g, 1, S, S]`` boolean mask for sdpa/eager; the default on
+CPU, where FlexAttention runs eagerly at ~8x the dense time or compiles for
+minutes per shape (docs/benchmarks.md, shared-prompt attention).
 """
 
 from __future__ import annotations
@@ -74,6 +82,24 @@ class PrefixRows:
         causal = pos[:, None] >= pos[None, :]
         key, query = segment[:, None, :], segment[:, :, None]
         return causal & ((key == 0) | (key == query))
+
+    def block_mask(self, device: torch.device):
+        """``attention_allowed`` as a FlexAttention ``BlockMask`` over ``[g, 1, S, S]``.
+
+        The mask function reads the ``[g, S]`` segment ids; the dense mask is
+        never kept (on CUDA never built: the block mask is computed tile by tile).
+        """
+        from torch.nn.attention.flex_attention import create_block_mask
+
+        segment = self.segment.to(device)
+
+        def allowed(b, h, q, k):
+            key = segment[b, k]
+            return (q >= k) & ((key == 0) | (key == segment[b, q]))
+
+        g, width = segment.shape
+        return create_block_mask(allowed, g, None, width, width, device=device,
+                                 _compile=device.type == "cuda")
 
 
 @dataclass(frozen=True)
@@ -199,19 +225,22 @@ def autocast(mixed_precision: str, device: torch.device):
 
 
 def forward_log_probs(model, mb: MicroBatch, temperature: float, with_entropy: bool,
-                      mixed_precision: str = "none"):
+                      mixed_precision: str = "none", shared_attention: str = "auto"):
     """Log-probabilities of the response tokens under ``model``.
 
-    Runs ``mb.prefix_rows`` when set (see ``_shared_prompt_forward``), else the
+    Runs ``mb.prefix_rows`` when set (see ``_shared_prompt_forward``; its mask
+    form is ``shared_attention``, one of ``SHARED_ATTENTION``), else the
     left-padded ``[b, L]`` micro-batch.
 
     Returns:
         (log_probs [b, R] float32, entropy [b, R] float32 or None). Positions
         outside the response mask hold garbage; callers mask them.
     """
-    if mb.prefix_rows is not None and model.config._attn_implementation in _MASKABLE_ATTENTION:
-        return _shared_prompt_forward(model, mb, temperature, with_entropy, mixed_precision)
     device = next(model.parameters()).device
+    if mb.prefix_rows is not None:
+        backend = shared_attention_backend(model, device, shared_attention)
+        if backend is not None:
+            return _shared_prompt_forward(model, mb, temperature, with_entropy, mixed_precision, backend)
     with autocast(mixed_precision, device):
         out = model(input_ids=mb.input_ids.to(device), attention_mask=mb.attention_mask.to(device),
                     position_ids=mb.position_ids.to(device), logits_to_keep=mb.window + 1,
@@ -224,10 +253,11 @@ def forward_log_probs(model, mb: MicroBatch, temperature: float, with_entropy: b
 
 
 def _shared_prompt_forward(model, mb: MicroBatch, temperature: float, with_entropy: bool,
-                           mixed_precision: str):
+                           mixed_precision: str, backend: str):
     """``forward_log_probs`` over ``mb.prefix_rows``: each prompt runs once per row.
 
-    The model gets the ``[g, S]`` rows, a ``[g, 1, S, S]`` attention mask and,
+    The model gets the ``[g, S]`` rows, the attention mask (a ``BlockMask``
+    under FlexAttention for ``backend`` flex, else ``[g, 1, S, S]``) and,
     as ``logits_to_keep``, the ``[g, S]`` boolean ``keep`` mask, so only the
     ``N = keep.sum()`` needed positions go through the LM head ([N, V] logits;
     needs a transformers whose models accept a boolean ``logits_to_keep``).
@@ -250,9 +280,12 @@ def _shared_prompt_forward(model, mb: MicroBatch, temperature: float, with_entro
                            "actor.sharePromptPrefix: false")
     rows = mb.prefix_rows
     device = next(model.parameters()).device
-    with autocast(mixed_precision, device):
-        out = model(input_ids=rows.input_ids.to(device),
-                    attention_mask=_attention_mask(model, rows.attention_allowed(device)),
+    if backend == "flex":
+        mask, attention = rows.block_mask(device), _attention_implementation(model, "flex_attention")
+    else:
+        mask, attention = _attention_mask(model, rows.attention_allowed(device)), contextlib.nullcontext()
+    with autocast(mixed_precision, device), attention:
+        out = model(input_ids=rows.input_ids.to(device), attention_mask=mask,
                     position_ids=rows.position_ids.to(device), logits_to_keep=rows.keep.to(device),
                     use_cache=False)
     logits = _tempered(out.logits.float(), temperature)
@@ -278,7 +311,51 @@ def _logits_to_keep_takes_a_mask() -> bool:
 
 _MASKABLE_ATTENTION = ("sdpa", "eager")
 """Attention implementations that take a 4-D mask as is; others (flash attention)
-run the per-sample path."""
+run the per-sample path unless FlexAttention serves the shared layout."""
+
+SHARED_ATTENTION = ("auto", "flex", "dense")
+"""How the shared-prompt layout's mask reaches attention: ``flex`` (a FlexAttention
+``BlockMask``), ``dense`` (a ``[g, 1, S, S]`` mask for sdpa/eager), or ``auto``
+(flex on CUDA when torch has FlexAttention, else dense)."""
+
+
+def shared_attention_backend(model, device: torch.device, requested: str = "auto") -> str | None:
+    """``flex`` or ``dense`` for the shared-prompt forward, or None: run the per-sample path.
+
+    Raises:
+        ValueError: ``requested`` is not one of ``SHARED_ATTENTION``, or is
+            flex and this torch has no FlexAttention.
+    """
+    if requested not in SHARED_ATTENTION:
+        raise ValueError(f"shared_attention is {requested!r}; choose one of {SHARED_ATTENTION}")
+    flex = _has_flex_attention()
+    if requested == "flex" and not flex:
+        raise ValueError(f"shared_attention 'flex' needs torch.nn.attention.flex_attention, which torch "
+                         f"{torch.__version__} lacks; use 'dense' or 'auto'")
+    if requested == "flex" or (requested == "auto" and flex and device.type == "cuda"):
+        return "flex"
+    return "dense" if model.config._attn_implementation in _MASKABLE_ATTENTION else None
+
+
+@functools.cache
+def _has_flex_attention() -> bool:
+    try:
+        from torch.nn.attention import flex_attention  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+@contextlib.contextmanager
+def _attention_implementation(model, name: str):
+    """Run ``model``'s attention as ``name`` for one forward (transformers looks the
+    implementation up per call; setting it on the config reaches every sub-config)."""
+    before = model.config._attn_implementation
+    model.config._attn_implementation = name
+    try:
+        yield
+    finally:
+        model.config._attn_implementation = before
 
 
 def _attention_mask(model, allowed: torch.Tensor) -> torch.Tensor:
@@ -328,7 +405,7 @@ def compute_log_probs(model, batch: PackedBatch, pad_token_id: int, micro_batch_
     for chunk in split_micro_batches(batch, micro_batch_size):
         mb = collate(chunk, pad_token_id, share_prompt_prefix)
         lp, _ = forward_log_probs(model, mb, temperature, False, mixed_precision)
-        pieces.append(unwindow(mb, lp.cpu()))
+        pieces.append(unwindow(mb, lp.to(batch.device)))  # stays on the step data's device
     if not pieces:
         return torch.zeros(0)
     return torch.cat(pieces)

@@ -248,8 +248,9 @@ def _pack(seqs: list[tuple[list[int], list[int]]], groups: list[int]) -> PackedB
 
 def response_texts(tokenizer, batch: PackedBatch) -> list[str]:
     """Decoded responses (special tokens dropped), in batch order."""
-    ids = batch.token_fields["input_ids"]
-    mask = batch.token_fields["response_mask"].bool()
+    # one device-to-host read of the two fields, not one sync per sample
+    ids = batch.token_fields["input_ids"].cpu()
+    mask = batch.token_fields["response_mask"].cpu().bool()
     offsets = batch.cu_seqlens(dtype=torch.long).tolist()
     out = []
     for b in range(batch.num_samples):
