@@ -46,6 +46,23 @@ def resolve_model_dir(spec: JobSpec) -> str:
         raise DistflowConfigError(f"spec.model.path: {err}") from None
 
 
+def check_rollout_engine(spec: JobSpec, model_dir: str) -> None:
+    """``rollout.engine: vllm``: vLLM importable and able to load the model, before any worker starts.
+
+    Raises:
+        DistflowConfigError: naming the field and the fix.
+    """
+    if spec.rollout.engine == "hf":
+        return
+    import torch
+
+    from distflow.engines.vllm_rollout import engine_problems
+
+    cuda = spec.cluster.device == "cuda" or (spec.cluster.device == "auto" and torch.cuda.is_available())
+    if problems := engine_problems(spec, model_dir, "cuda" if cuda else "cpu"):
+        raise DistflowConfigError("\n".join(f"spec.{p}" for p in problems))
+
+
 BUILTIN_TASKS = ("arithmetic",)
 
 
@@ -127,6 +144,7 @@ def launch_local(spec: JobSpec, job_name: str, resume: bool = True, progress: bo
         raise DistflowConfigError("spec.cluster.device: cuda requested but torch sees no GPU on this machine; "
                                   "use cpu or auto (--set cluster.device=auto)")
     model_dir = resolve_model_dir(spec)  # a bad model path fails here, before the previous run is moved
+    check_rollout_engine(spec, model_dir)
     if not resume or spec.checkpoint.resume == "never":
         set_aside_previous_run(spec)
     cluster = spec.cluster
@@ -211,6 +229,7 @@ def launch_node(spec: JobSpec, job_name: str, environ=os.environ) -> None:
         raise DistflowConfigError(f"env PET_NODE_RANK={node_rank}: must be in [0, {nnodes})")
     preflight(spec)
     model_dir = resolve_model_dir(spec)
+    check_rollout_engine(spec, model_dir)
     port = int(environ.get("DISTFLOW_METRICS_PORT", spec.trainer.metrics_port or 0))
     base = WorkerEnv(rank=node_rank * nproc, world_size=nnodes * nproc, local_rank=0,
                      local_world_size=nproc, node_rank=node_rank, num_nodes=nnodes,
