@@ -31,6 +31,16 @@ from distflow.spec import JobSpec
 _LOSS_SHARES = frozenset({"actor/pg_loss", "actor/kl_loss", "actor/entropy"})
 
 
+def truncated_is_weights(old_log_probs: torch.Tensor, rollout_log_probs: torch.Tensor, cap: float) -> torch.Tensor:
+    """Truncated importance sampling weights min(pi_old / pi_rollout, cap), no gradient.
+
+    Corrects the policy loss for sampling with an engine whose probabilities differ slightly
+    from the actor's (Yao et al. 2025, "Your efficient RL framework secretly brings you
+    off-policy RL training"; verl's ``tis_imp_ratio_cap``). Shapes: [b, R] -> [b, R].
+    """
+    return torch.exp(old_log_probs - rollout_log_probs).clamp(max=cap).detach()
+
+
 @dataclass
 class Actor:
     spec: JobSpec
@@ -101,7 +111,7 @@ class Actor:
                  "rollout/actor_logp_diff/max": diff.max()}
         cap = self.spec.rollout.tis_imp_ratio_cap
         if cap is not None:
-            pg_losses = pg_losses * torch.exp(old - rollout).clamp(max=cap).detach()
+            pg_losses = pg_losses * truncated_is_weights(old, rollout, cap)
         return pg_losses, stats
 
     def update(self, batch: PackedBatch, metrics) -> None:
