@@ -13,11 +13,11 @@ pytestmark = pytest.mark.unit
 
 def _spec(**rollout):
     return JobSpec.model_validate({"model": {"path": "smollm2"}, "cluster": {"numNodes": 2, "procsPerNode": 2},
-                                   "data": {"trainBatchSize": 4}, "rollout": rollout})
+                                   "data": {"train": {"path": "arithmetic"}, "trainBatchSize": 4}, "rollout": rollout})
 
 
 def test_vllm_engine_with_tp_within_a_node_is_accepted():
-    spec = _spec(engine="vllm", tensorParallelSize=2, tisImpRatioCap=2.0)
+    spec = _spec(engine="vllm", tensorParallelSize=2, tisImpRatioCap=2.0)  # 2 replicas of 2 prompts, 1 per tp rank
     assert (spec.rollout.engine, spec.rollout.tensor_parallel_size) == ("vllm", 2)
     assert spec.rollout.tis_imp_ratio_cap == 2.0 and spec.rollout.weight_sync_bucket_mb == 64
 
@@ -52,3 +52,11 @@ def test_truncated_is_weights_cap_the_ratio_of_actor_to_rollout_probabilities():
     rollout = torch.tensor([[math.log(0.5), math.log(0.3), math.log(0.4)]])
     weights = truncated_is_weights(old, rollout, cap=2.0)
     assert torch.allclose(weights, torch.tensor([[1.0, 2.0, 0.5]]))  # 0.9/0.3 = 3 is capped at 2
+
+
+def test_prompts_a_replica_cannot_share_over_its_tp_ranks_are_rejected():
+    # 4 workers, tp 2: 2 replicas of 2 prompts each would be fine; 6 prompts give 3 per replica.
+    with pytest.raises(ValueError, match=r"data.trainBatchSize: 6 prompts give each of the 2 vLLM replicas 3"):
+        JobSpec.model_validate({"model": {"path": "smollm2"}, "cluster": {"numNodes": 2, "procsPerNode": 2},
+                                "data": {"train": {"path": "arithmetic"}, "trainBatchSize": 6},
+                                "rollout": {"engine": "vllm", "tensorParallelSize": 2}})

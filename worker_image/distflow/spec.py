@@ -515,6 +515,10 @@ def _size_problems(spec: JobSpec):
     if spec.rollout.engine == "vllm" and spec.cluster.procs_per_node % tp:
         yield (f"rollout.tensorParallelSize: {tp} does not divide the {spec.cluster.procs_per_node} workers "
                f"of a node (cluster.procsPerNode); a vLLM replica stays within a node: pick a divisor")
+    if spec.rollout.engine == "vllm" and world % tp == 0 and batch % rollout_dp == 0 and (batch // rollout_dp) % tp:
+        yield (f"data.trainBatchSize: {batch} prompts give each of the {rollout_dp} vLLM replicas "
+               f"{batch // rollout_dp}, which its {tp} tp ranks cannot share evenly; use a multiple of "
+               f"{rollout_dp * tp}")
     if spec.rollout.tis_imp_ratio_cap is not None and spec.rollout.engine != "vllm":
         yield ("rollout.tisImpRatioCap: only the vllm engine records rollout log-probs to correct with; "
                "unset it or use rollout.engine: vllm")

@@ -229,7 +229,7 @@ class DagWorker:
         seed = hash((self.spec.trainer.seed, -1, self.rollout_dp_rank)) & 0x7FFFFFFF
         batch = self.rollout.generate(prompts, list(range(len(prompts))), params, seed)
         texts = response_texts(self.tokenizer, batch)
-        records = [rec for rec in self.eval_records for _ in range(val.n)]
+        records = [self.eval_records[g] for g in batch.sample_fields["group_index"].tolist()]
         scores = compute_scores(texts, records, self.spec.data.reward_fn)
         if self.writer is not None:
             self.writer.write_samples(self.step, records, texts, scores)

@@ -9,7 +9,9 @@ The engine runs inside the worker (vLLM's ``external_launcher`` executor, its
 V1 engine core in-process): ranks of one tensor-parallel group form one
 replica and hold the same prompts; every group of ``rollout.tensorParallelSize``
 ranks is an independent replica (vLLM folds the extra ranks into an outer dp
-dimension). Each rank still generates the prompts of its own rollout dp rank.
+dimension). Every tp rank of a replica gets all of its responses; each keeps a
+disjoint share of whole prompt groups (prompt i on tp rank i mod tp), so the
+step's batch holds every sample once.
 
 Sampling matches the hf engine's spec: ``n`` responses per prompt, each its
 own request with its own seed (derived from the call's seed, the prompt's
@@ -88,10 +90,11 @@ class VllmRollout:
 
     shared = False
 
-    def __init__(self, config: VllmConfig, tokenizer, llm) -> None:
+    def __init__(self, config: VllmConfig, tokenizer, llm, tp_rank: int = 0) -> None:
         self.config = config
         self.tokenizer = tokenizer
         self.llm = llm
+        self.tp_rank = tp_rank
         self.asleep = False
 
     @classmethod
@@ -111,7 +114,7 @@ class VllmRollout:
                   # CUDA graphs would be captured at every wake; eager keeps start-up and wake cheap.
                   enforce_eager=True, enable_prefix_caching=True,
                   logprobs_mode="processed_logprobs", **kwargs)
-        engine = cls(config, tokenizer, llm)
+        engine = cls(config, tokenizer, llm, tp_rank=rank % config.tensor_parallel_size)
         if cuda:
             engine.sleep()
         return engine
@@ -132,10 +135,10 @@ class VllmRollout:
         """Sample ``params.n`` responses per prompt.
 
         Returns:
-            PackedBatch of len(prompts) * n samples (the n of a prompt adjacent), with the
-            hf engine's fields plus ``rollout_log_probs`` [T_total] float32: the log-prob of
-            each generated token under the engine's weights at ``params.temperature``, 0 on
-            prompt tokens.
+            PackedBatch of len(prompts) * n samples (the n of a prompt adjacent; with tensor
+            parallelism, of this tp rank's prompts i with i mod tp == tp_rank), with the hf
+            engine's fields plus ``rollout_log_probs`` [T_total] float32: the log-prob of each
+            generated token under the engine's weights at ``params.temperature``, 0 on prompt tokens.
         """
         from vllm import SamplingParams as VllmSampling
         from vllm.inputs import TokensPrompt
@@ -149,8 +152,11 @@ class VllmRollout:
                                              seed=sample_seed(seed, group, j)))
         outputs = self.llm.generate(requests, sampling, use_tqdm=False)
         self.sleep()
+        tp = self.config.tensor_parallel_size
         seqs, groups, log_probs = [], [], []
         for k, out in enumerate(outputs):
+            if (k // params.n) % tp != self.tp_rank:
+                continue
             completion = out.outputs[0]
             tokens = list(completion.token_ids)
             seqs.append((list(out.prompt_token_ids), tokens))
