@@ -25,7 +25,7 @@ from distflow.models import load_causal_lm, load_tokenizer, resolve_model  # noq
 from distflow.tasks import ArithmeticSource, ArithmeticTask  # noqa: E402
 from distflow.worker import model_cache_dir  # noqa: E402
 
-pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(2400)]
 
 LOGP_ATOL = 2e-3
 """Max |vLLM - HF| log-prob of a sampled token, in nats (float32 on CPU; measured ~1e-4)."""

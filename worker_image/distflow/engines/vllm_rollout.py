@@ -62,6 +62,10 @@ class VllmConfig:
     """cpu: the KV cache's size (an explicit size also skips vLLM's warm-up pass at start)."""
 
 
+_WAKE_TAGS = ("weights", "kv_cache", "scheduling")
+"""vLLM's sleep-mode memory tags; the engine generates only with all of them back."""
+
+
 def vllm_config(spec, model_dir: str, device_type: str) -> VllmConfig:
     """The engine's settings from a JobSpec."""
     return VllmConfig(model_dir=model_dir, dtype=spec.model.dtype,
@@ -95,7 +99,8 @@ class VllmRollout:
         self.tokenizer = tokenizer
         self.llm = llm
         self.tp_rank = tp_rank
-        self.asleep = False
+        self.resident = set(_WAKE_TAGS)
+        """What the engine holds in device memory now (sleep mode, CUDA only)."""
 
     @classmethod
     def build(cls, config: VllmConfig, tokenizer, *, rank: int = 0, local_rank: int = 0, world_size: int = 1,
@@ -115,20 +120,21 @@ class VllmRollout:
                   enforce_eager=True, enable_prefix_caching=True,
                   logprobs_mode="processed_logprobs", **kwargs)
         engine = cls(config, tokenizer, llm, tp_rank=rank % config.tensor_parallel_size)
-        if cuda:
-            engine.sleep()
+        engine.sleep()
         return engine
 
     def sleep(self) -> None:
         """CUDA: free the KV cache and offload the weights (level 1) while the actor trains."""
-        if self.config.device_type == "cuda" and not self.asleep:
+        if self.config.device_type == "cuda" and self.resident:
             self.llm.sleep(level=1)
-            self.asleep = True
+            self.resident = set()
 
-    def wake_up(self) -> None:
-        if self.asleep:
-            self.llm.wake_up()
-            self.asleep = False
+    def wake_up(self, tags: tuple[str, ...] = _WAKE_TAGS) -> None:
+        """Bring ``tags`` back (all before generating; only the weights to overwrite them)."""
+        missing = [t for t in tags if t not in self.resident]
+        if missing:
+            self.llm.wake_up(tags=missing)
+            self.resident.update(missing)
 
     def generate(self, prompts: list[list[int]], group_index: list[int], params: SamplingParams,
                  seed: int, metrics=None) -> PackedBatch:
@@ -177,7 +183,7 @@ class VllmRollout:
         Returns:
             Bytes all-gathered by this rank (the full model's parameter bytes).
         """
-        self.wake_up()  # weights must be resident to be overwritten
+        self.wake_up(("weights",))  # to be overwritten; the KV cache comes back for the next rollout
         moved, bucket, bucket_bytes = 0, [], 0
         limit = self.config.weight_sync_bucket_bytes
         for name, full in full_state_tensors(actor_model):
@@ -190,7 +196,6 @@ class VllmRollout:
         if bucket:
             self._load(bucket)
         self.llm.reset_prefix_cache()  # cached prompt KV was computed with the old weights
-        self.sleep()
         return moved
 
     def _load(self, bucket: list[tuple[str, torch.Tensor]]) -> None:
