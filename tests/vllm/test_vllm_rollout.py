@@ -137,7 +137,8 @@ def test_preflight_names_the_field_for_a_model_vllm_cannot_run_on_cpu(model_dir,
     from distflow.engines.vllm_rollout import engine_problems
     from distflow.spec import JobSpec
 
-    spec = JobSpec.model_validate({"model": {"path": "smollm2"}, "rollout": {"engine": "vllm"}})
+    spec = JobSpec.model_validate({"model": {"path": "smollm2"}, "data": {"train": {"path": "arithmetic"}},
+                                   "rollout": {"engine": "vllm"}})
     assert engine_problems(spec, model_dir, "cpu") == []
     tiny = Path(resolve_model("tiny:smollm2", model_cache_dir()))
     problems = engine_problems(spec, str(tiny), "cpu")

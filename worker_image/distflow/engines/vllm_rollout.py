@@ -19,10 +19,10 @@ global index and the sample's index), so a response does not depend on how
 requests are batched. Log-probs are vLLM's ``processed_logprobs``: after the
 temperature, before top-k/top-p, i.e. what the actor recomputes.
 
-Weight sync (``sync``): the actor's FSDP2 parameters are all-gathered one at a
-time and handed to the engine's model ``load_weights`` in buckets of at most
-``rollout.weightSyncBucketMb``: never a second full copy of the model in
-memory. On CUDA the engine sleeps (KV cache freed, weights offloaded) between
+Weight sync (``sync``): the actor's FSDP2 parameters are all-gathered in
+buckets of at most ``rollout.weightSyncBucketMb`` and streamed into vLLM's
+in-place ``reload_weights`` (layer-wise ``load_weights``): never a second full
+copy of the model in memory. On CUDA the engine sleeps (KV cache freed, weights offloaded) between
 rollouts and wakes for the next one.
 
 Simplified on purpose: no pipeline parallelism, no LoRA, no HTTP server.
@@ -177,29 +177,38 @@ class VllmRollout:
     def sync(self, actor_model: torch.nn.Module) -> int:
         """Load the actor's current weights into the engine, in place.
 
-        Parameters are all-gathered one by one (FSDP2 ``full_tensor``) and
-        loaded in buckets of at most ``weight_sync_bucket_bytes``.
+        Parameters are all-gathered (FSDP2 ``full_tensor``) a bucket of at most
+        ``weight_sync_bucket_bytes`` at a time and streamed into vLLM's in-place
+        reload (``reload_weights``: the model's ``load_weights`` on checkpoint-format
+        tensors, then each layer's post-load processing, e.g. the CPU GEMM repacking
+        that a bare ``load_weights`` would bypass).
 
         Returns:
             Bytes all-gathered by this rank (the full model's parameter bytes).
         """
         self.wake_up(("weights",))  # to be overwritten; the KV cache comes back for the next rollout
-        moved, bucket, bucket_bytes = 0, [], 0
-        limit = self.config.weight_sync_bucket_bytes
-        for name, full in full_state_tensors(actor_model):
-            bucket.append((name, full))
-            bucket_bytes += full.numel() * full.element_size()
-            moved += full.numel() * full.element_size()
-            if bucket_bytes >= limit:
-                self._load(bucket)
-                bucket, bucket_bytes = [], 0
-        if bucket:
-            self._load(bucket)
-        self.llm.reset_prefix_cache()  # cached prompt KV was computed with the old weights
-        return moved
+        moved = [0]
 
-    def _load(self, bucket: list[tuple[str, torch.Tensor]]) -> None:
-        self.llm.apply_model(lambda model: model.load_weights(iter(bucket)) and None)
+        def weights():
+            for name, full in _gathered_in_buckets(actor_model, self.config.weight_sync_bucket_bytes):
+                moved[0] += full.numel() * full.element_size()
+                yield name, full
+
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights()})
+        self.llm.reset_prefix_cache()  # cached prompt KV was computed with the old weights
+        return moved[0]
+
+
+def _gathered_in_buckets(model: torch.nn.Module, bucket_bytes: int):
+    """(name, full tensor) per parameter, all-gathered a bucket of about ``bucket_bytes`` ahead."""
+    bucket, size = [], 0
+    for name, full in full_state_tensors(model):
+        bucket.append((name, full))
+        size += full.numel() * full.element_size()
+        if size >= bucket_bytes:
+            yield from bucket
+            bucket, size = [], 0
+    yield from bucket
 
 
 def sample_seed(seed: int, group: int, sample: int) -> int:
