@@ -116,7 +116,7 @@ def test_defaulted_sub_objects_get_empty_defaults_and_required_ones_do_not(spec_
 
 
 def test_literals_and_named_choices_become_enums(spec_props):
-    assert spec_props["rollout"]["properties"]["engine"]["enum"] == ["hf"]
+    assert spec_props["rollout"]["properties"]["engine"]["enum"] == ["hf", "vllm"]
     algorithm = spec_props["algorithm"]["properties"]
     assert algorithm["advantageEstimator"]["enum"] == list(ADVANTAGE_ESTIMATORS)
     assert algorithm["klLossType"]["enum"] == list(KL_ESTIMATORS)

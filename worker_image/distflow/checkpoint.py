@@ -114,5 +114,5 @@ def load_latest(root: str | Path, worker) -> int:
     rank_file = path / f"rank_{dist.get_rank():05d}.pt"
     if rank_file.is_file() and meta.get("world_size") == dist.get_world_size():
         _set_rng_state(torch.load(rank_file, weights_only=False)["rng"])
-    worker.rollout.sync()
+    worker.rollout.sync(worker.actor_model)
     return int(meta["step"])

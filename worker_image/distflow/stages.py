@@ -13,6 +13,7 @@ Fields added (packed token fields span prompt + response, 0 on prompt tokens):
     advantage      advantages, returns [T_total] (from token_level_rewards when a node shaped them)
     reference      ref_log_probs [T_total]
     old_log_prob   old_log_probs [T_total]
+    (vllm rollout) rollout_log_probs [T_total]: the engine's log-probs of the sampled tokens
     actor (train)  updates the actor (then syncs a separate rollout copy, if any)
     values, critic, reward_shaping, filter_groups: see ``distflow.stages_ppo``
 """
@@ -26,7 +27,7 @@ import torch
 from distflow.algorithms import AdvantageInputs, AdvantageParams, get_advantage_fn
 from distflow.data.batch import PackedBatch
 from distflow.engines import model_ops
-from distflow.engines.rollout import SamplingParams, generate, render_prompts, response_texts
+from distflow.engines.rollout import SamplingParams, render_prompts, response_texts
 from distflow.planner import PlannedNode
 from distflow.rewards import compute_scores
 
@@ -43,8 +44,7 @@ def run_rollout(worker, node: PlannedNode) -> None:
                             spec.rollout.top_k, spec.data.max_response_length,
                             spec.rollout.micro_batch_size, share_prefill=spec.rollout.share_prefill)
     seed = hash((spec.trainer.seed, worker.step, worker.rollout_dp_rank)) & 0x7FFFFFFF
-    with worker.rollout.policy(worker.metrics) as model:
-        batch = generate(model, worker.tokenizer, prompts, group_index, params, seed, worker.device)
+    batch = worker.rollout.generate(prompts, group_index, params, seed, worker.metrics)
     worker.coordinator.produce(node.id, batch)
     resp = batch.sample_fields["response_len"].double()
     worker.metrics.add_mean("response_length/mean", resp.sum(), resp.numel())
@@ -119,9 +119,9 @@ def run_old_log_prob(worker, node: PlannedNode) -> None:
 
 def run_actor_update(worker, node: PlannedNode) -> None:
     worker.actor.update(worker.coordinator.batch, worker.metrics)
-    if not worker.rollout.shared:  # a separate rollout copy: refresh it (part of the actor stage's time)
+    if not worker.rollout.shared:  # a separate rollout copy or engine: refresh it (part of the actor stage's time)
         with worker.metrics.timer("weight_sync"):
-            moved = worker.rollout.sync()
+            moved = worker.rollout.sync(worker.actor_model)
         worker.metrics.add_sum("perf/weight_sync_bytes", moved)
 
 

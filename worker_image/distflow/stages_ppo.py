@@ -31,7 +31,7 @@ from distflow.algorithms import (
 from distflow.data.batch import PackedBatch
 from distflow.data.exchange import allgather_lengths
 from distflow.engines import model_ops
-from distflow.engines.rollout import SamplingParams, generate, render_prompts, response_texts
+from distflow.engines.rollout import SamplingParams, render_prompts, response_texts
 from distflow.planner import PlannedNode
 from distflow.rewards import compute_scores
 from distflow.spec import KLControlSpec
@@ -188,8 +188,7 @@ def _generate_round(worker, rnd: int) -> PackedBatch:
                             spec.data.max_response_length, spec.rollout.micro_batch_size,
                             share_prefill=spec.rollout.share_prefill)
     seed = hash((spec.trainer.seed, worker.step, worker.rollout_dp_rank, rnd)) & 0x7FFFFFFF
-    with worker.rollout.policy(worker.metrics) as model:
-        batch = generate(model, worker.tokenizer, prompts, group_index, params, seed, worker.device)
+    batch = worker.rollout.generate(prompts, group_index, params, seed, worker.metrics)
     record_of = dict(zip(group_index, records))
     texts = response_texts(worker.tokenizer, batch)
     groups = batch.sample_fields["group_index"].tolist()

@@ -35,7 +35,7 @@ from distflow.data.sources import open_source
 from distflow.engines import fsdp
 from distflow.engines.actor import Actor
 from distflow.engines.critic import build_critic
-from distflow.engines.rollout import SamplingParams, generate, render_prompt, render_prompts, response_texts
+from distflow.engines.rollout import HfRollout, SamplingParams, render_prompt, render_prompts, response_texts
 from distflow.exporter import NodeExporter
 from distflow.metrics import JsonlWriter, StepMetrics
 from distflow.models import load_causal_lm, load_tokenizer, resolve_model
@@ -159,13 +159,13 @@ class DagWorker:
         self.tokenizer = load_tokenizer(env.model_dir)
         mesh = fsdp.dp_mesh(self.device, env.world_size)
         copy = None
-        if not spec.rollout.share_actor_weights:
+        if not spec.rollout.share_actor_weights and spec.rollout.engine == "hf":
             copy = load_causal_lm(env.model_dir, spec.model.dtype).to(self.device).eval()
         actor_model = load_causal_lm(env.model_dir, spec.model.dtype).to(self.device)
         if spec.model.gradient_checkpointing:
             actor_model.gradient_checkpointing_enable()
         self.actor_model = fsdp.apply_fsdp(actor_model, mesh)
-        self.rollout = fsdp.RolloutWeights(self.actor_model, copy)
+        self.rollout = self._build_rollout(copy)
         self.actor = Actor.build(spec, self.actor_model, self.tokenizer.pad_token_id,
                                  env.world_size, self.device)
         self.ref_model = None
@@ -174,6 +174,17 @@ class DagWorker:
             ref.requires_grad_(False)
             self.ref_model = fsdp.apply_fsdp(ref, mesh)
         self._build_critic(mesh)
+
+    def _build_rollout(self, copy):
+        """The rollout engine: hf on the actor's weights (or ``copy``), or a colocated vLLM engine."""
+        spec, env = self.spec, self.env
+        if spec.rollout.engine == "hf":
+            return HfRollout(fsdp.RolloutWeights(self.actor_model, copy), self.tokenizer, self.device)
+        from distflow.engines.vllm_rollout import VllmRollout, vllm_config
+
+        return VllmRollout.build(vllm_config(spec, env.model_dir, self.device.type), self.tokenizer,
+                                 rank=env.rank, local_rank=env.local_rank, world_size=env.world_size,
+                                 master_addr=env.master_addr, master_port=env.master_port)
 
     def _build_critic(self, mesh) -> None:
         """The value model (when the workflow has critic or values nodes) and the in-reward KL coefficient."""
@@ -239,10 +250,9 @@ class DagWorker:
                                 share_prefill=self.spec.rollout.share_prefill)
         # "Step" -1: apart from every training step's rollout seed (stages.rollout hashes the same tuple).
         seed = hash((self.spec.trainer.seed, -1, self.rollout_dp_rank)) & 0x7FFFFFFF
-        with self.rollout.policy() as model:
-            batch = generate(model, self.tokenizer, prompts, list(range(len(prompts))), params, seed, self.device)
+        batch = self.rollout.generate(prompts, list(range(len(prompts))), params, seed)
         texts = response_texts(self.tokenizer, batch)
-        records = [rec for rec in self.eval_records for _ in range(val.n)]
+        records = [self.eval_records[g] for g in batch.sample_fields["group_index"].tolist()]
         scores = compute_scores(texts, records, self.spec.data.reward_fn)
         if self.writer is not None:
             self.writer.write_samples(self.step, records, texts, scores)

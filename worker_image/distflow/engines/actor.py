@@ -31,6 +31,16 @@ from distflow.spec import JobSpec
 _LOSS_SHARES = frozenset({"actor/pg_loss", "actor/kl_loss", "actor/entropy"})
 
 
+def truncated_is_weights(old_log_probs: torch.Tensor, rollout_log_probs: torch.Tensor, cap: float) -> torch.Tensor:
+    """Truncated importance sampling weights min(pi_old / pi_rollout, cap), no gradient.
+
+    Corrects the policy loss for sampling with an engine whose probabilities differ slightly
+    from the actor's (Yao et al. 2025, "Your efficient RL framework secretly brings you
+    off-policy RL training"; verl's ``tis_imp_ratio_cap``). Shapes: [b, R] -> [b, R].
+    """
+    return torch.exp(old_log_probs - rollout_log_probs).clamp(max=cap).detach()
+
+
 @dataclass
 class Actor:
     spec: JobSpec
@@ -64,10 +74,11 @@ class Actor:
         out = get_policy_loss_fn(alg.policy_loss)(
             old.to(log_probs.device), log_probs, adv.to(log_probs.device), mask,
             PolicyLossParams(alg.clip_ratio_low, alg.clip_ratio_high, alg.clip_ratio_c))
-        pg_loss = aggregate_loss(out.pg_losses, mask, alg.loss_agg_mode, norm)
+        pg_losses, rollout_stats = self._rollout_correction(mb, old.to(log_probs.device), out.pg_losses, mask)
+        pg_loss = aggregate_loss(pg_losses, mask, alg.loss_agg_mode, norm)
         loss = pg_loss
         stats = {"actor/pg_loss": pg_loss.detach(), "actor/pg_clipfrac": out.clipfrac,
-                 "actor/ppo_kl": out.approx_kl, "actor/pg_clipfrac_lower": out.clipfrac_lower}
+                 "actor/ppo_kl": out.approx_kl, "actor/pg_clipfrac_lower": out.clipfrac_lower, **rollout_stats}
         ent = aggregate_loss(entropy, mask, alg.loss_agg_mode, norm)
         stats["actor/entropy"] = ent.detach()
         if alg.entropy_coeff > 0:
@@ -79,6 +90,29 @@ class Actor:
             loss = loss + alg.kl_loss_coef * kl_loss
             stats["actor/kl_loss"] = kl_loss.detach()
         return loss, stats, float(mask.sum())
+
+    def _rollout_correction(self, mb: model_ops.MicroBatch, old: torch.Tensor, pg_losses: torch.Tensor,
+                            mask: torch.Tensor) -> tuple[torch.Tensor, dict]:
+        """Mismatch of the rollout engine's log-probs with the actor's, and its optional correction.
+
+        With ``rollout_log_probs`` (vllm engine): |old - rollout| over response tokens as
+        ``rollout/actor_logp_diff/{mean,max}``; with ``rollout.tisImpRatioCap``, truncated
+        importance sampling (Yao et al. 2025, verl's tis_imp_ratio_cap): each token's loss
+        times min(exp(old - rollout), cap), a constant (no gradient).
+
+        Args:
+            old: [b, R] the actor's log-probs of the sampling policy; pg_losses, mask: [b, R].
+        """
+        if "rollout_log_probs" not in mb.source.token_fields:
+            return pg_losses, {}
+        rollout = model_ops.window_field(mb, "rollout_log_probs").to(old.device)
+        diff = (old - rollout).abs() * mask
+        stats = {"rollout/actor_logp_diff/mean": diff.sum() / mask.sum().clamp(min=1),
+                 "rollout/actor_logp_diff/max": diff.max()}
+        cap = self.spec.rollout.tis_imp_ratio_cap
+        if cap is not None:
+            pg_losses = pg_losses * truncated_is_weights(old, rollout, cap)
+        return pg_losses, stats
 
     def update(self, batch: PackedBatch, metrics) -> None:
         """Train on this rank's part of the step's batch; record metrics into ``metrics``.
@@ -107,6 +141,8 @@ class Actor:
             for k, v in stats.items():
                 if k in _LOSS_SHARES:
                     metrics.add_sum(k, float(v) / num_steps)
+                elif k.endswith("/max"):
+                    metrics.add_max(k, float(v))
                 else:
                     metrics.add_mean(k, float(v) * ntok, ntok)
         grad_norm = fsdp.grad_norm_and_clip(self.model, self.spec.actor.grad_clip)

@@ -134,7 +134,7 @@ def generate(model, tokenizer, prompts: list[list[int]], group_index: list[int],
                 resp = _trim_response(out[row * reps + j, width:], eos_ids, pad_id)
                 seqs.append((prompts[i], resp))
                 meta.append(group_index[i])
-    return _pack(seqs, meta)
+    return pack_responses(seqs, meta)
 
 
 def _group_chunks(num_prompts: int, n: int, micro_batch_size: int) -> list[list[tuple[int, int]]]:
@@ -231,7 +231,8 @@ def _shared_prefill(model, ids: torch.Tensor, mask: torch.Tensor, reps: int, dev
     return cache
 
 
-def _pack(seqs: list[tuple[list[int], list[int]]], groups: list[int]) -> PackedBatch:
+def pack_responses(seqs: list[tuple[list[int], list[int]]], groups: list[int]) -> PackedBatch:
+    """(prompt ids, response ids) per sample and its group index -> the rollout's PackedBatch."""
     lens = torch.tensor([len(p) + len(r) for p, r in seqs], dtype=torch.long)
     ids = torch.tensor([t for p, r in seqs for t in p + r], dtype=torch.long)
     rmask = torch.tensor([m for p, r in seqs for m in [0] * len(p) + [1] * len(r)], dtype=torch.int8)
@@ -244,6 +245,33 @@ def _pack(seqs: list[tuple[list[int], list[int]]], groups: list[int]) -> PackedB
             "group_index": torch.tensor(groups, dtype=torch.long),
         },
     )
+
+
+class HfRollout:
+    """The hf engine: ``generate`` with the policy weights ``RolloutWeights`` holds.
+
+    The engine interface the stages call (``VllmRollout`` has the same):
+    ``generate(prompts, group_index, params, seed, metrics) -> PackedBatch``;
+    ``shared`` (nothing to sync after an update) and ``sync(actor_model) -> bytes``.
+    """
+
+    def __init__(self, weights, tokenizer, device: torch.device) -> None:
+        self.weights = weights
+        self.tokenizer = tokenizer
+        self.device = device
+
+    @property
+    def shared(self) -> bool:
+        return self.weights.shared
+
+    def generate(self, prompts: list[list[int]], group_index: list[int], params: SamplingParams,
+                 seed: int, metrics=None) -> PackedBatch:
+        with self.weights.policy(metrics) as model:
+            return generate(model, self.tokenizer, prompts, group_index, params, seed, self.device)
+
+    def sync(self, actor_model=None) -> int:
+        """Refresh a separate copy from the actor it was built with; bytes all-gathered."""
+        return self.weights.sync()
 
 
 def response_texts(tokenizer, batch: PackedBatch) -> list[str]:

@@ -1,0 +1,34 @@
+"""Run the `vllm` tier (tests/vllm) in its own environment: the venv .ci/setup-vllm builds.
+
+vLLM's CPU build pins a torch other than the main venv's, so its tests cannot run in this
+interpreter. DISTFLOW_VLLM_PYTHON names that venv's python (.ci/setup-vllm prints the venv
+on its last line); without it the tier is skipped, saying how to get it.
+"""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1200)]
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_vllm_tier_passes_in_its_own_venv():
+    python = os.environ.get("DISTFLOW_VLLM_PYTHON")
+    if not python:
+        pytest.skip("DISTFLOW_VLLM_PYTHON is not set: run `export DISTFLOW_VLLM_PYTHON=$(bash .ci/setup-vllm "
+                    "| tail -1)/bin/python` to build vLLM's CPU venv and run the vllm tier")
+    if not Path(python).is_file():
+        pytest.fail(f"DISTFLOW_VLLM_PYTHON={python} does not exist; rerun .ci/setup-vllm")
+    if Path(python).resolve() == Path(sys.executable).resolve():
+        pytest.skip("already in the vllm venv: tests/vllm run directly")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "worker_image"), str(REPO / "operator")])}
+    proc = subprocess.run([python, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", "tests/vllm"],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=1150)
+    tail = (proc.stdout + proc.stderr)[-6000:]
+    assert proc.returncode == 0, f"tests/vllm failed in {python}:\n{tail}"
+    assert " passed" in proc.stdout and " skipped" not in proc.stdout.splitlines()[-1], tail

@@ -1,0 +1,264 @@
+"""Rollout with vLLM (``rollout.engine: vllm``), colocated: one engine in every worker process.
+
+    worker rank r (every rank, no driver)
+      ├── actor: FSDP2 shards ──(after each update: gather per parameter, in buckets)──┐
+      └── vLLM engine (in-process, external launcher) <── load_weights(bucket) ─────────┘
+            generate(this rank's prompts) -> token ids + the sampled tokens' log-probs
+
+The engine runs inside the worker (vLLM's ``external_launcher`` executor, its
+V1 engine core in-process): ranks of one tensor-parallel group form one
+replica and hold the same prompts; every group of ``rollout.tensorParallelSize``
+ranks is an independent replica (vLLM folds the extra ranks into an outer dp
+dimension). Every tp rank of a replica gets all of its responses; each keeps a
+disjoint share of whole prompt groups (prompt i on tp rank i mod tp), so the
+step's batch holds every sample once.
+
+Sampling matches the hf engine's spec: ``n`` responses per prompt, each its
+own request with its own seed (derived from the call's seed, the prompt's
+global index and the sample's index), so a response does not depend on how
+requests are batched. Log-probs are vLLM's ``processed_logprobs``: after the
+temperature, before top-k/top-p, i.e. what the actor recomputes.
+
+Weight sync (``sync``): the actor's FSDP2 parameters are all-gathered in
+buckets of at most ``rollout.weightSyncBucketMb`` and streamed into vLLM's
+in-place ``reload_weights`` (layer-wise ``load_weights``): never a second full
+copy of the model in memory. On CUDA the engine sleeps (KV cache freed, weights offloaded) between
+rollouts and wakes for the next one.
+
+Simplified on purpose: no pipeline parallelism, no LoRA, no HTTP server.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from distflow.data.batch import PackedBatch
+from distflow.engines.fsdp import full_state_tensors
+from distflow.engines.rollout import SamplingParams, pack_responses
+
+
+@dataclass(frozen=True)
+class VllmConfig:
+    """What the engine is built with (from ``rollout`` and ``model``)."""
+
+    model_dir: str
+    dtype: str
+    """torch dtype name: float32, bfloat16, float16."""
+    tensor_parallel_size: int
+    max_model_len: int
+    """Prompt + response tokens per sequence."""
+    seed: int
+    device_type: str
+    """cpu or cuda."""
+    gpu_memory_utilization: float = 0.5
+    """cuda: share of the GPU the engine (weights + KV cache) may take; the actor needs the rest."""
+    weight_sync_bucket_bytes: int = 64 << 20
+    cpu_kv_cache_bytes: int = 1 << 30
+    """cpu: the KV cache's size (an explicit size also skips vLLM's warm-up pass at start)."""
+
+
+_WAKE_TAGS = ("weights", "kv_cache", "scheduling")
+"""vLLM's sleep-mode memory tags; the engine generates only with all of them back."""
+
+
+def vllm_config(spec, model_dir: str, device_type: str) -> VllmConfig:
+    """The engine's settings from a JobSpec."""
+    return VllmConfig(model_dir=model_dir, dtype=spec.model.dtype,
+                      tensor_parallel_size=spec.rollout.tensor_parallel_size,
+                      max_model_len=spec.data.max_prompt_length + spec.data.max_response_length,
+                      seed=spec.trainer.seed, device_type=device_type,
+                      gpu_memory_utilization=spec.rollout.gpu_memory_utilization,
+                      weight_sync_bucket_bytes=spec.rollout.weight_sync_bucket_mb << 20)
+
+
+def _set_launcher_env(rank: int, local_rank: int, world_size: int, master_addr: str, master_port: int) -> None:
+    """vLLM's external launcher reads torchrun's variables; the local launcher may not have set them."""
+    for key, value in (("RANK", rank), ("LOCAL_RANK", local_rank), ("WORLD_SIZE", world_size),
+                       ("MASTER_ADDR", master_addr), ("MASTER_PORT", master_port)):
+        os.environ.setdefault(key, str(value))
+    # The engine core must live in this process: the external launcher runs one engine per rank.
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+
+
+class VllmRollout:
+    """A vLLM engine colocated with this rank's actor shards.
+
+    Same interface as ``HfRollout``: ``generate`` and ``sync``; ``shared`` is
+    False (the engine holds its own copy of the weights).
+    """
+
+    shared = False
+
+    def __init__(self, config: VllmConfig, tokenizer, llm, tp_rank: int = 0) -> None:
+        self.config = config
+        self.tokenizer = tokenizer
+        self.llm = llm
+        self.tp_rank = tp_rank
+        self.resident = set(_WAKE_TAGS)
+        """What the engine holds in device memory now (sleep mode, CUDA only)."""
+
+    @classmethod
+    def build(cls, config: VllmConfig, tokenizer, *, rank: int = 0, local_rank: int = 0, world_size: int = 1,
+              master_addr: str = "127.0.0.1", master_port: int = 29500) -> "VllmRollout":
+        """Start the engine (loads the weights from ``config.model_dir``; every rank of the job calls this)."""
+        _set_launcher_env(rank, local_rank, world_size, master_addr, master_port)
+        from vllm import LLM
+
+        cuda = config.device_type == "cuda"
+        kwargs = (dict(gpu_memory_utilization=config.gpu_memory_utilization, enable_sleep_mode=True) if cuda
+                  else dict(kv_cache_memory_bytes=config.cpu_kv_cache_bytes))
+        llm = LLM(model=config.model_dir, tokenizer=config.model_dir, dtype=config.dtype,
+                  tensor_parallel_size=config.tensor_parallel_size,
+                  distributed_executor_backend="external_launcher" if world_size > 1 else None,
+                  max_model_len=config.max_model_len, seed=config.seed,
+                  # CUDA graphs would be captured at every wake; eager keeps start-up and wake cheap.
+                  enforce_eager=True, enable_prefix_caching=True,
+                  logprobs_mode="processed_logprobs", **kwargs)
+        engine = cls(config, tokenizer, llm, tp_rank=rank % config.tensor_parallel_size)
+        engine.sleep()
+        return engine
+
+    def sleep(self) -> None:
+        """CUDA: free the KV cache and offload the weights (level 1) while the actor trains."""
+        if self.config.device_type == "cuda" and self.resident:
+            self.llm.sleep(level=1)
+            self.resident = set()
+
+    def wake_up(self, tags: tuple[str, ...] = _WAKE_TAGS) -> None:
+        """Bring ``tags`` back (all before generating; only the weights to overwrite them)."""
+        missing = [t for t in tags if t not in self.resident]
+        if missing:
+            self.llm.wake_up(tags=missing)
+            self.resident.update(missing)
+
+    def generate(self, prompts: list[list[int]], group_index: list[int], params: SamplingParams,
+                 seed: int, metrics=None) -> PackedBatch:
+        """Sample ``params.n`` responses per prompt.
+
+        Returns:
+            PackedBatch of len(prompts) * n samples (the n of a prompt adjacent; with tensor
+            parallelism, of this tp rank's prompts i with i mod tp == tp_rank), with the hf
+            engine's fields plus ``rollout_log_probs`` [T_total] float32: the log-prob of each
+            generated token under the engine's weights at ``params.temperature``, 0 on prompt tokens.
+        """
+        from vllm import SamplingParams as VllmSampling
+        from vllm.inputs import TokensPrompt
+
+        self.wake_up()
+        requests, sampling = [], []
+        for prompt, group in zip(prompts, group_index):
+            for j in range(params.n):
+                requests.append(TokensPrompt(prompt_token_ids=list(prompt)))
+                sampling.append(VllmSampling(**_sampling_kwargs(params, self.tokenizer),
+                                             seed=sample_seed(seed, group, j)))
+        outputs = self.llm.generate(requests, sampling, use_tqdm=False)
+        self.sleep()
+        tp = self.config.tensor_parallel_size
+        seqs, groups, log_probs = [], [], []
+        for k, out in enumerate(outputs):
+            if (k // params.n) % tp != self.tp_rank:
+                continue
+            completion = out.outputs[0]
+            tokens = list(completion.token_ids)
+            seqs.append((list(out.prompt_token_ids), tokens))
+            groups.append(group_index[k // params.n])
+            log_probs.append(_sampled_log_probs(completion.logprobs, tokens))
+        batch = pack_responses(seqs, groups)
+        per_token = torch.tensor([x for (p, _), lp in zip(seqs, log_probs) for x in [0.0] * len(p) + lp],
+                                 dtype=torch.float32)
+        return batch.with_fields(token={"rollout_log_probs": per_token})
+
+    @torch.no_grad()
+    def sync(self, actor_model: torch.nn.Module) -> int:
+        """Load the actor's current weights into the engine, in place.
+
+        Parameters are all-gathered (FSDP2 ``full_tensor``) a bucket of at most
+        ``weight_sync_bucket_bytes`` at a time and streamed into vLLM's in-place
+        reload (``reload_weights``: the model's ``load_weights`` on checkpoint-format
+        tensors, then each layer's post-load processing, e.g. the CPU GEMM repacking
+        that a bare ``load_weights`` would bypass).
+
+        Returns:
+            Bytes all-gathered by this rank (the full model's parameter bytes).
+        """
+        self.wake_up(("weights",))  # to be overwritten; the KV cache comes back for the next rollout
+        moved = [0]
+
+        def weights():
+            for name, full in _gathered_in_buckets(actor_model, self.config.weight_sync_bucket_bytes):
+                moved[0] += full.numel() * full.element_size()
+                yield name, full
+
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights()})
+        self.llm.reset_prefix_cache()  # cached prompt KV was computed with the old weights
+        return moved[0]
+
+
+def _gathered_in_buckets(model: torch.nn.Module, bucket_bytes: int):
+    """(name, full tensor) per parameter, all-gathered a bucket of about ``bucket_bytes`` ahead."""
+    bucket, size = [], 0
+    for name, full in full_state_tensors(model):
+        bucket.append((name, full))
+        size += full.numel() * full.element_size()
+        if size >= bucket_bytes:
+            yield from bucket
+            bucket, size = [], 0
+    yield from bucket
+
+
+def sample_seed(seed: int, group: int, sample: int) -> int:
+    """The seed of one response: fixed by the call's seed, the prompt's global index and the sample index."""
+    return hash((seed, group, sample)) & 0x7FFFFFFF
+
+
+def _sampling_kwargs(params: SamplingParams, tokenizer) -> dict:
+    eos = tokenizer.eos_token_id
+    eos_ids = sorted(set(eos if isinstance(eos, list) else [eos]))
+    greedy = params.temperature <= 0
+    return dict(n=1, max_tokens=params.max_new_tokens, temperature=0.0 if greedy else params.temperature,
+                top_p=1.0 if greedy else params.top_p, top_k=0 if greedy else params.top_k,
+                stop_token_ids=eos_ids, logprobs=0, detokenize=False, skip_special_tokens=False)
+
+
+def _sampled_log_probs(logprobs, tokens: list[int]) -> list[float]:
+    """The log-prob of each sampled token, from vLLM's per-position {token id: Logprob} dicts."""
+    if logprobs is None:
+        raise RuntimeError("vLLM returned no log-probs (SamplingParams.logprobs=0 was set)")
+    return [float(pos[tok].logprob) for pos, tok in zip(logprobs, tokens)]
+
+
+def engine_problems(spec, model_dir: str, device_type: str) -> list[str]:
+    """What would make ``rollout.engine: vllm`` fail in the workers, checked before they start.
+
+    Returns:
+        Messages naming the field and the fix (empty: fine, or the hf engine).
+    """
+    if spec.rollout.engine != "vllm":
+        return []
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is None:
+        return ["rollout.engine: vllm is not installed in this environment; install distflow[vllm] "
+                "(GPU), or run in the venv .ci/setup-vllm builds (CPU), or use rollout.engine: hf"]
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    from vllm import ModelRegistry
+
+    supported = set(ModelRegistry.get_supported_archs())
+    archs = config.get("architectures") or []
+    if not any(a in supported for a in archs):
+        return [f"model.path: vLLM cannot load architecture {archs} (not in its model registry); "
+                "use rollout.engine: hf for this model"]
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    if device_type == "cpu":
+        from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+        sizes = CPUAttentionBackend.get_supported_head_sizes()
+        if head_dim not in sizes:
+            return [f"model.path: vLLM's CPU attention takes head sizes {sizes}, this model has "
+                    f"{head_dim}; use rollout.engine: hf on CPU (or a GPU)"]
+    return []
