@@ -28,7 +28,8 @@ from distflow import sample_ids
 from tests.dist._chaos import JOB, Trial, draw_trials, read_tally, run_job
 from tests.dist._jobs import final_checkpoint, tiny_job_spec
 
-pytestmark = [pytest.mark.dist, pytest.mark.chaos]
+# Generous: a trial is two launches of a 2-worker job, minutes each on a loaded 2-core machine.
+pytestmark = [pytest.mark.dist, pytest.mark.chaos, pytest.mark.timeout(7200)]
 
 
 @pytest.fixture(scope="module")

@@ -17,6 +17,7 @@ import json
 import os
 import shutil
 import subprocess
+from pathlib import Path
 
 import pytest
 import torch
@@ -24,87 +25,97 @@ import torch
 from tests.dist._ckpt_worker import fake_worker, params
 from tests.dist._spawn import run_on_ranks
 
-pytestmark = pytest.mark.dist
+pytestmark = [pytest.mark.dist, pytest.mark.timeout(1800)]
 
 
-def _save(rank, world, root, steps, keep_last, width=32):
+def _save(steps, keep_last, width):
     from distflow import checkpoint
 
     errors = []
     for step in steps:
         try:
-            checkpoint.save(root, step, fake_worker(width, seed=step), keep_last)
+            checkpoint.save(ROOT[0], step, fake_worker(width, seed=step), keep_last)
         except checkpoint.CheckpointError as err:
             errors.append(str(err))
     return errors
 
 
-def _load(rank, world, root, width=32):
+def _load(width):
     from distflow import checkpoint
 
     worker = fake_worker(width, seed=99)
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-        step = checkpoint.load_latest(root, worker)
+        step = checkpoint.load_latest(ROOT[0], worker)
     return step, params(worker), worker.loader.state_dict(), out.getvalue()
+
+
+ROOT = [""]
+
+
+def _scenario(rank, world, root, steps, keep_last, damage=None, width=32):
+    """One spawn per test (starting processes is the slow part): save ``steps``, let rank 0 apply
+    ``damage(root)`` (``"module:function"``), then load. Returns (save errors, load result)."""
+    import importlib
+
+    import torch.distributed as dist
+
+    ROOT[0] = root
+    errors = _save(steps, keep_last, width)
+    if damage and rank == 0:
+        module, _, name = damage.partition(":")
+        getattr(importlib.import_module(module), name)(root)
+    dist.barrier()
+    return errors, _load(width)
 
 
 def _names(root):
     return sorted(os.listdir(root))
 
 
-def test_manifest_lists_every_file_with_size_and_checksum(tmp_path):
-    root = str(tmp_path / "ckpt")
-    run_on_ranks(_save, 2, root, [1], 3)
-    step_dir = tmp_path / "ckpt" / "step_00000001"
+def test_manifest_lists_every_file_and_keep_last_never_deletes_the_only_complete_one(tmp_path):
+    root = tmp_path / "ckpt"
+    (root / "step_00000002").mkdir(parents=True)  # partial (an object store's in-place write): no manifest
+    (root / "step_00000002" / ".metadata").write_bytes(b"x")
+    errors, (step, _, _, said) = run_on_ranks(_scenario, 2, str(root), [1, 3], 1, timeout_s=600)[0]
+    assert errors == [] and step == 3 and said == ""
+    assert _names(root) == ["step_00000003"]  # the partial one went, the older complete one was pruned
+    step_dir = root / "step_00000003"
     manifest = json.loads((step_dir / "manifest.json").read_text())
     on_disk = {p.name for p in step_dir.iterdir()} - {"manifest.json"}
-    assert set(manifest["files"]) == on_disk
+    assert set(manifest["files"]) == on_disk and manifest["step"] == 3
     assert {"trainer.json", ".metadata", "rank_00000.pt", "rank_00001.pt"} <= on_disk
     for name, entry in manifest["files"].items():
         data = (step_dir / name).read_bytes()
         assert entry == {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
-    assert manifest["step"] == 1
 
 
-def test_torn_and_partial_checkpoints_are_skipped_for_the_previous_one(tmp_path):
-    root = tmp_path / "ckpt"
-    run_on_ranks(_save, 2, str(root), [1, 2, 3], 5)
-    shard = next(p for p in (root / "step_00000003").iterdir() if p.suffix == ".distcp")
+def _tear_corrupt_and_cut(root: str) -> None:
+    root = Path(root)
+    shard = sorted(p for p in (root / "step_00000004").iterdir() if p.suffix == ".distcp")[-1]
     shard.write_bytes(shard.read_bytes()[:-7])  # torn: cut short
+    shard = sorted(p for p in (root / "step_00000003").iterdir() if p.suffix == ".distcp")[-1]
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # corrupt, same size
+    shard.write_bytes(bytes(data))
     (root / "step_00000002" / "manifest.json").unlink()  # partial: the commit never happened
-    shutil.copytree(root / "step_00000001", root / "step_00000004.tmp")  # a write in progress
-    results = run_on_ranks(_load, 2, str(root))
+    shutil.copytree(root / "step_00000001", root / "step_00000005.tmp")  # a write in progress
+
+
+def test_torn_corrupt_and_partial_checkpoints_are_skipped_for_the_previous_one(tmp_path):
+    root = tmp_path / "ckpt"
+    results = run_on_ranks(_scenario, 2, str(root), [1, 2, 3, 4], 5, f"{__name__}:_tear_corrupt_and_cut", timeout_s=600)
     expected = params(fake_worker(seed=1))
-    for step, loaded, loader_state, _ in results:
-        assert step == 1 and loader_state == {"epoch": 0, "offset": 4}
+    for errors, (step, loaded, loader_state, _) in results:
+        assert errors == [] and step == 1 and loader_state == {"epoch": 0, "offset": 4}
         for key, value in expected.items():
             assert torch.equal(loaded[key], value), key
-    said = results[0][3]
-    assert f"skipping checkpoint {root}/step_00000003: {shard.name} has" in said
-    assert f"skipping checkpoint {root}/step_00000002: no manifest" in said
-    assert "step_00000004" not in said and results[1][3] == ""  # rank 0 decides and speaks
-
-
-def test_corrupt_shard_of_the_right_size_is_caught_by_its_checksum(tmp_path):
-    root = tmp_path / "ckpt"
-    run_on_ranks(_save, 2, str(root), [1, 2], 5)
-    shard = next(p for p in (root / "step_00000002").iterdir() if p.suffix == ".distcp")
-    data = bytearray(shard.read_bytes())
-    data[len(data) // 2] ^= 0xFF
-    shard.write_bytes(bytes(data))
-    step, _, _, said = run_on_ranks(_load, 2, str(root))[0]
-    assert step == 1 and "does not match its sha256" in said
-
-
-def test_keep_last_never_deletes_the_only_complete_checkpoint(tmp_path):
-    root = tmp_path / "ckpt"
-    run_on_ranks(_save, 2, str(root), [1], 1)
-    shutil.copytree(root / "step_00000001", root / "step_00000002")
-    (root / "step_00000002" / "manifest.json").unlink()  # partial (an object store's in-place write)
-    run_on_ranks(_save, 2, str(root), [3], 1)
-    assert _names(root) == ["step_00000003"]  # the partial one went, the older complete one was pruned
-    assert run_on_ranks(_load, 2, str(root))[0][0] == 3
+    said = results[0][1][3].splitlines()
+    assert len(said) == 3 and results[1][1][3] == ""  # rank 0 decides and says why, once
+    assert said[0].startswith(f"distflow: skipping checkpoint {root}/step_00000004: __1_0.distcp has ")
+    assert said[1] == (f"distflow: skipping checkpoint {root}/step_00000003: __1_0.distcp does not match its "
+                       "sha256 in the manifest (corrupt); trying the previous one")
+    assert said[2].startswith(f"distflow: skipping checkpoint {root}/step_00000002: no manifest")
 
 
 @pytest.fixture
@@ -126,13 +137,12 @@ def small_tmpfs(tmp_path):
 
 def test_disk_full_fails_clearly_and_keeps_the_previous_checkpoint(small_tmpfs):
     root = small_tmpfs / "ckpt"
-    errors = run_on_ranks(_save, 2, str(root), [1, 2], 2, 256)
-    assert errors[0] == errors[1] and len(errors[0]) == 1  # both ranks fail, at step 2, with one message
-    message = errors[0][0]
-    assert "writing the step-2 checkpoint failed: the disk is full" in message
-    assert "the step-1 checkpoint is intact" in message and "free space" in message
+    results = run_on_ranks(_scenario, 2, str(root), [1, 2], 2, None, 256, timeout_s=600)
+    (errors, (step, loaded, _, said)), (other_errors, _) = results
+    assert errors == other_errors and len(errors) == 1  # both ranks fail, at step 2, with one message
+    assert "writing the step-2 checkpoint failed: the disk is full" in errors[0]
+    assert "the step-1 checkpoint is intact" in errors[0] and "free space" in errors[0]
     assert _names(root) == ["step_00000001"]  # the partial step 2 is gone, step 1 untouched
-    step, loaded, _, said = run_on_ranks(_load, 2, str(root), 256)[0]
     assert step == 1 and said == ""
     for key, value in params(fake_worker(256, seed=1)).items():
         assert torch.equal(loaded[key], value), key
