@@ -160,7 +160,8 @@ def _failure_message(store: _Store, step: int, err: BaseException | str) -> str:
     text = str(err)
     full = (isinstance(err, OSError) and err.errno == errno.ENOSPC) or "No space left on device" in text
     reason = "the disk is full (No space left on device)" if full else text.strip().splitlines()[-1][:300]
-    done = sorted(s for n, s in store.step_dirs().items() if not n.endswith(".tmp"))
+    done = sorted(s for n, s in store.step_dirs().items()
+                  if not n.endswith(".tmp") and verify(store, n, checksums=False) is None)
     kept = f"the step-{done[-1]} checkpoint is intact" if done else "no earlier checkpoint exists"
     fix = ("free space on that volume or give checkpoint.dir a larger one (checkpoint.keepLast: 1 keeps "
            "fewer), then run again: it resumes from the last complete checkpoint") if full else \
