@@ -43,6 +43,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from fsspec.implementations.local import LocalFileSystem
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
@@ -203,7 +204,8 @@ def save(root: str | os.PathLike, step: int, worker, keep_last: int) -> str:
             dcp.save(_train_state(worker), checkpoint_id=store.location(work))
             with store.fs.open(store.path(work, f"rank_{rank:05d}.pt"), "wb") as f:
                 torch.save({"rng": _rng_state()}, f)
-        except Exception as err:  # noqa: BLE001 - every rank must reach _agree, whatever failed
+        except (Exception, CheckpointException) as err:  # noqa: BLE001 - every rank must reach _agree
+            # (torch's CheckpointException, which carries every rank's error, is a BaseException)
             error = _failure_message(store, step, err)
         chaos.hit("checkpoint")
         error = _agree(error)
