@@ -45,6 +45,7 @@ def _stand_in_worker(tmp_path, total_steps: int) -> DagWorker:
                            master_addr="127.0.0.1", master_port=0, job_name="job", model_dir="", resume=True)
     worker.step, worker.exporter, worker.writer, worker.is_logger = 0, None, None, False
     worker.run_step = lambda: {"training/step": worker.step + 1}
+    worker._log_trained_ids = lambda: None
     return worker
 
 

@@ -60,14 +60,14 @@ def enabled() -> bool:
     return bool(os.environ.get("DISTFLOW_CHAOS") or os.environ.get("DISTFLOW_CHAOS_TALLY"))
 
 
-def install(rank: int, model, optimizer) -> None:
-    """Count this rank's events (and arm the kill if it is the chosen rank). No-op unless enabled."""
+def install(worker) -> None:
+    """Count ``worker``'s events (and arm the kill if it is the chosen rank). No-op unless enabled."""
     global _plan, _rank
     if not enabled():
         return
     import torch.distributed as dist
 
-    _rank = rank
+    _rank, model, optimizer = worker.rank, worker.actor.model, worker.actor.optimizer
     raw = os.environ.get("DISTFLOW_CHAOS")
     _plan = parse(raw) if raw else None
     model.register_forward_pre_hook(lambda *_: hit("forward"))

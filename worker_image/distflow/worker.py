@@ -300,7 +300,7 @@ class DagWorker:
         """
         spec = self.spec
         history = []
-        chaos.install(self.rank, self.actor.model, self.actor.optimizer)
+        chaos.install(self)
         if spec.checkpoint.dir and self.env.resume and spec.checkpoint.resume == "auto":
             self.step = checkpoint.load_latest(spec.checkpoint.dir, self)
             if self.step and self.is_logger:
