@@ -65,8 +65,8 @@ class ImageCheck:
 CHECKS = (
     ImageCheck("Dockerfile", resolve_only=False),
     ImageCheck("worker_image/Dockerfile", resolve_only=True,
-               variants=({"EXTRAS": "runtime"},
-                         {"EXTRAS": "runtime,vllm", "LOCK": "worker_image/requirements-vllm.lock"})),
+               variants=({"EXTRAS": "runtime,s3"},
+                         {"EXTRAS": "runtime,s3,vllm", "LOCK": "worker_image/requirements-vllm.lock"})),
 )
 
 
@@ -335,9 +335,9 @@ def check_image(check: ImageCheck, results: Results, skip: set[str]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--skip-vllm", action="store_true", help="skip the EXTRAS=runtime,vllm resolution")
+    parser.add_argument("--skip-vllm", action="store_true", help="skip the EXTRAS=runtime,s3,vllm resolution")
     args = parser.parse_args(argv)
-    skip = {"runtime,vllm"} if args.skip_vllm else set()
+    skip = {"runtime,s3,vllm"} if args.skip_vllm else set()
     results, started = Results(), time.monotonic()
     for check in CHECKS:
         check_image(check, results, skip)

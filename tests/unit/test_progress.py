@@ -46,6 +46,7 @@ def _stand_in_worker(tmp_path, total_steps: int) -> DagWorker:
                            resume=True)
     worker.step, worker.exporter, worker.writer, worker.is_logger = 0, None, None, False
     worker.run_step = lambda: {"training/step": worker.step + 1}
+    worker._log_trained_ids = lambda: None
     return worker
 
 

@@ -1,48 +1,149 @@
-"""Checkpoints: model, optimizer, RNG, dataloader state and step, written atomically.
+"""Checkpoints: model, optimizer, RNG, dataloader state and step; complete only once verified.
 
-Layout under ``checkpoint.dir``::
+Layout under ``checkpoint.dir`` (a local path, e.g. a PVC, or an fsspec URL such as ``s3://bucket/run``)::
 
-    step_00000012/           complete checkpoint (renamed into place last)
+    step_00000012/           complete checkpoint: its manifest.json lists every file
         .metadata, *.distcp  torch.distributed.checkpoint shards (actor, and critic if any: model + optimizer)
         rank_00000.pt        per-rank RNG state
         trainer.json         step, dataloader state (global), world size, in-reward KL coefficient
-    step_00000016.tmp/       being written; ignored by resume, removed by the next save
+        manifest.json        written last: size and sha256 of each file above
+    step_00000016.tmp/       being written (local storage); ignored by resume, removed by the next save
 
-Every rank writes its shards into the ``.tmp`` directory, a barrier follows,
-then rank 0 renames it. A crash at any point leaves either the old or the new
-checkpoint complete. A separate rollout copy
-(``rollout.shareActorWeights: false``) is not saved: it is re-synced from the
-actor on load; the reference model is the initial weights.
+Write: every rank writes its shards, then rank 0 writes trainer.json, reads
+every file back to hash it, writes the manifest last, and (on a local
+filesystem) renames ``.tmp`` into place. An object store has no atomic
+rename; there the shards go to ``step_N/`` directly and the manifest, one
+atomic PUT, is the commit. Either way a crash at any point leaves the
+previous complete checkpoint as it was.
+
+Read: rank 0 checks the newest candidate against its manifest (sizes and
+checksums); a torn, partial or corrupt one is skipped with a message and the
+previous one is tried. Every rank then loads the chosen one. The model and
+optimizer are resharded by torch.distributed.checkpoint, so a checkpoint
+written by N workers loads on M; the dataloader state is global (see
+``distflow.data.loader``). Per-rank RNG state is restored only at the same
+world size (rollout sampling is seeded per step, so nothing depends on it
+across sizes). A separate rollout copy (``rollout.shareActorWeights:
+false``) is not saved: it is re-synced from the actor on load; the reference
+model is the initial weights.
 """
 
 from __future__ import annotations
 
+import errno
+import hashlib
 import json
+import os
 import random
-import shutil
+import re
 from pathlib import Path
 
+import fsspec
 import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+from fsspec.implementations.local import LocalFileSystem
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+from distflow import chaos
+
 PREFIX = "step_"
+MANIFEST = "manifest.json"
+_STEP_DIR = re.compile(rf"^{PREFIX}(\d{{8}})(\.tmp)?$")
 
 
-def _step_dir(root: Path, step: int) -> Path:
-    return root / f"{PREFIX}{step:08d}"
+class CheckpointError(RuntimeError):
+    """Writing a checkpoint failed (disk full, storage unreachable); the previous one is intact."""
 
 
-def complete_checkpoints(root: str | Path) -> list[Path]:
-    """Complete checkpoints, oldest first."""
-    root = Path(root)
-    if not root.is_dir():
-        return []
-    return sorted(p for p in root.iterdir()
-                  if p.is_dir() and p.name.startswith(PREFIX) and not p.name.endswith(".tmp")
-                  and (p / "trainer.json").is_file())
+class _Store:
+    """The checkpoint root on its filesystem (local or fsspec URL); names are relative to it."""
+
+    def __init__(self, root: str | os.PathLike):
+        self.url = str(root).rstrip("/")
+        self.fs, self.root = fsspec.core.url_to_fs(self.url)
+        self.local = isinstance(self.fs, LocalFileSystem)
+
+    def path(self, *names: str) -> str:
+        return "/".join([self.root, *names])
+
+    def location(self, name: str) -> str:
+        """What torch.distributed.checkpoint is given: a local path or the URL."""
+        return self.path(name) if self.local else f"{self.url}/{name}"
+
+    def step_dirs(self) -> dict[str, int]:
+        """``{name: step}`` of every ``step_*`` directory, complete or not."""
+        self.fs.invalidate_cache()  # other processes write here; an object store's listing is cached
+        if not self.fs.exists(self.root):
+            return {}
+        names = (p.rstrip("/").rsplit("/", 1)[-1] for p in self.fs.ls(self.root, detail=False))
+        return {n: int(m.group(1)) for n in names if (m := _STEP_DIR.match(n))}
+
+    def remove(self, name: str) -> None:
+        if self.fs.exists(self.path(name)):
+            self.fs.rm(self.path(name), recursive=True)
+
+    def write_bytes(self, name: str, data: bytes) -> None:
+        with self.fs.open(self.path(name), "wb") as f:
+            f.write(data)
+            if self.local:
+                f.flush()
+                os.fsync(f.fileno())
+
+
+def _sha256(fs, path: str) -> str:
+    digest = hashlib.sha256()
+    with fs.open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _build_manifest(store: _Store, name: str, step: int) -> dict:
+    """Sizes (bytes) and sha256 of every file of ``name``, read back from storage."""
+    base = store.path(name)
+    files = {}
+    for path, info in sorted(store.fs.find(base, detail=True).items()):
+        rel = path[len(base.rstrip("/")) + 1:]
+        if rel != MANIFEST:
+            files[rel] = {"size": int(info["size"]), "sha256": _sha256(store.fs, path)}
+    return {"format": 1, "step": step, "files": files}
+
+
+def verify(store: _Store, name: str, checksums: bool = True) -> str | None:
+    """Why checkpoint ``name`` must not be loaded, or None when its manifest vouches for every file."""
+    try:
+        with store.fs.open(store.path(name, MANIFEST), "rb") as f:
+            manifest = json.loads(f.read())
+        files = manifest["files"]
+    except FileNotFoundError:
+        return "no manifest (its write did not finish)"
+    except (ValueError, KeyError, TypeError):
+        return "its manifest is torn or unreadable"
+    if "trainer.json" not in files or ".metadata" not in files:
+        return "its manifest lacks trainer.json or .metadata"
+    for rel, want in files.items():
+        path = store.path(name, rel)
+        if not store.fs.exists(path):
+            return f"{rel} is missing"
+        if store.fs.size(path) != want["size"]:
+            return f"{rel} has {store.fs.size(path)} bytes, the manifest says {want['size']}"
+        if checksums and _sha256(store.fs, path) != want["sha256"]:
+            return f"{rel} does not match its sha256 in the manifest (corrupt)"
+    return None
+
+
+def complete_checkpoints(root: str | os.PathLike, checksums: bool = False) -> list[Path | str]:
+    """Checkpoints whose manifest vouches for their files, oldest first (Paths for a local root, else URLs).
+
+    ``checksums=False`` checks presence and sizes only (cheap); resume also checks the sha256s.
+    """
+    store = _Store(root)
+    names = sorted(n for n in store.step_dirs() if not n.endswith(".tmp"))
+    good = [n for n in names if verify(store, n, checksums) is None]
+    return [Path(store.path(n)) if store.local else store.location(n) for n in good]
 
 
 def _rng_state() -> dict:
@@ -56,53 +157,147 @@ def _set_rng_state(state: dict) -> None:
     np.random.set_state(state["numpy"])
 
 
-def save(root: str | Path, step: int, worker, keep_last: int) -> Path:
-    """Collective: every rank calls it. Returns the final directory."""
-    root = Path(root)
-    final = _step_dir(root, step)
-    tmp = final.with_name(final.name + ".tmp")
+def _failure_message(store: _Store, step: int, err: BaseException | str) -> str:
+    text = str(err)
+    full = (isinstance(err, OSError) and err.errno == errno.ENOSPC) or "No space left on device" in text
+    reason = "the disk is full (No space left on device)" if full else text.strip().splitlines()[-1][:300]
+    done = sorted(s for n, s in store.step_dirs().items()
+                  if not n.endswith(".tmp") and verify(store, n, checksums=False) is None)
+    kept = f"the step-{done[-1]} checkpoint is intact" if done else "no earlier checkpoint exists"
+    fix = ("free space on that volume or give checkpoint.dir a larger one (checkpoint.keepLast: 1 keeps "
+           "fewer), then run again: it resumes from the last complete checkpoint") if full else \
+        "check that checkpoint.dir is writable and reachable, then run again: it resumes from the last complete one"
+    return f"checkpoint.dir {store.url}: writing the step-{step} checkpoint failed: {reason}; {kept}. Fix: {fix}."
+
+
+def _agree(error: str | None) -> str | None:
+    """The first rank's error, on every rank (so no rank waits in a collective for one that gave up)."""
+    errors: list = [None] * dist.get_world_size()
+    dist.all_gather_object(errors, error)
+    return next((e for e in errors if e), None)
+
+
+def save(root: str | os.PathLike, step: int, worker, keep_last: int) -> str:
+    """Collective: every rank calls it. Returns the checkpoint's location.
+
+    Raises:
+        CheckpointError: on every rank, when any rank could not write its part
+            (disk full, storage error); the partial directory is removed and
+            the previous checkpoint is left as it was.
+    """
+    store = _Store(root)
+    final = f"{PREFIX}{step:08d}"
+    work = final + ".tmp" if store.local else final
     rank = dist.get_rank()
+    error = None
     if rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-    dist.barrier()
-    model_sd, optim_sd = get_state_dict(worker.actor.model, worker.actor.optimizer)
-    dcp.save({"model": model_sd, "optim": optim_sd, **_critic_state(worker)}, checkpoint_id=str(tmp))
-    torch.save({"rng": _rng_state()}, tmp / f"rank_{rank:05d}.pt")
-    dist.barrier()
-    if rank == 0:
+        try:
+            for name in store.step_dirs():  # partial writes of a killed run; never a complete checkpoint
+                if name.endswith(".tmp") or name == final or verify(store, name, checksums=False):
+                    store.remove(name)
+            store.fs.makedirs(store.path(work), exist_ok=True)
+        except OSError as err:
+            error = _failure_message(store, step, err)
+    error = _agree(error)
+    if error is None:
+        try:
+            dcp.save(_train_state(worker), checkpoint_id=store.location(work))
+            with store.fs.open(store.path(work, f"rank_{rank:05d}.pt"), "wb") as f:
+                torch.save({"rng": _rng_state()}, f)
+        except (Exception, CheckpointException) as err:  # noqa: BLE001 - every rank must reach _agree
+            # (torch's CheckpointException, which carries every rank's error, is a BaseException)
+            error = _failure_message(store, step, err)
+        chaos.hit("checkpoint")
+        error = _agree(error)
+    if error is None and rank == 0:
+        error = _commit(store, work, final, step, worker, keep_last)
+    error = _agree(error if rank == 0 else None)
+    if error is not None:
+        if rank == 0:
+            _remove_quietly(store, work)
+        raise CheckpointError(error)
+    return store.location(final)
+
+
+def _commit(store: _Store, work: str, final: str, step: int, worker, keep_last: int) -> str | None:
+    """Rank 0: trainer.json, the manifest (last), the rename, then pruning. Returns an error message or None."""
+    try:
         meta = {"step": step, "loader": worker.loader.state_dict(), "world_size": dist.get_world_size(),
                 "kl_ctrl": worker.kl_ctrl.state_dict()}
-        (tmp / "trainer.json").write_text(json.dumps(meta))
-        shutil.rmtree(final, ignore_errors=True)
-        tmp.rename(final)
-        for old in complete_checkpoints(root)[:-keep_last]:
-            shutil.rmtree(old, ignore_errors=True)
-    dist.barrier()
-    return final
+        store.write_bytes(f"{work}/trainer.json", json.dumps(meta).encode())
+        manifest = _build_manifest(store, work, step)
+        store.write_bytes(f"{work}/{MANIFEST}", json.dumps(manifest, indent=1).encode())
+        chaos.hit("checkpoint")
+        if work != final:
+            os.rename(store.path(work), store.path(final))  # atomic; fails rather than nest into a leftover
+            _fsync_dir(store)
+        chaos.hit("checkpoint")
+    except OSError as err:
+        return _failure_message(store, step, err)
+    _prune(store, keep_last)
+    return None
 
 
-def _critic_state(worker) -> dict:
-    """The critic's model and optimizer state dicts, when the workflow trains one (ppo)."""
-    if worker.critic is None:
-        return {}
-    model_sd, optim_sd = get_state_dict(worker.critic.model, worker.critic.optimizer)
-    return {"critic": model_sd, "critic_optim": optim_sd}
+def _prune(store: _Store, keep_last: int) -> None:
+    """Keep the newest ``keep_last`` complete checkpoints (>= 1: the newest complete one always stays)."""
+    complete = sorted((s, n) for n, s in store.step_dirs().items()
+                      if not n.endswith(".tmp") and verify(store, n, checksums=False) is None)
+    for _, name in complete[:-max(1, keep_last)]:
+        _remove_quietly(store, name)
 
 
-def load_latest(root: str | Path, worker) -> int:
-    """Collective: restore the latest complete checkpoint into ``worker``; the step to continue from.
+def _remove_quietly(store: _Store, name: str) -> None:
+    try:
+        store.remove(name)
+    except OSError:
+        pass  # a leftover is ignored by resume and removed by the next save
+
+
+def _fsync_dir(store: _Store) -> None:
+    """Make the rename durable (local filesystems; an object store's PUT already is)."""
+    fd = os.open(store.root, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _train_state(worker) -> dict:
+    """The state dicts torch.distributed.checkpoint saves and reshards: actor, and critic when trained (ppo)."""
+    model_sd, optim_sd = get_state_dict(worker.actor.model, worker.actor.optimizer)
+    state = {"model": model_sd, "optim": optim_sd}
+    if worker.critic is not None:
+        state["critic"], state["critic_optim"] = get_state_dict(worker.critic.model, worker.critic.optimizer)
+    return state
+
+
+def _choose(store: _Store) -> str | None:
+    """Rank 0: the newest checkpoint that passes :func:`verify`, saying which ones were skipped and why."""
+    dirs = store.step_dirs()
+    for name in sorted((n for n in dirs if not n.endswith(".tmp")), reverse=True):
+        reason = verify(store, name)
+        if reason is None:
+            return name
+        print(f"distflow: skipping checkpoint {store.location(name)}: {reason}; trying the previous one",
+              flush=True)
+    return None
+
+
+def load_latest(root: str | os.PathLike, worker) -> int:
+    """Collective: restore the newest verified checkpoint into ``worker``; the step to continue from.
 
     Returns 0 when there is none.
     """
-    found = complete_checkpoints(root)
-    if not found:
+    store = _Store(root)
+    chosen = [_choose(store) if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(chosen, src=0)
+    name = chosen[0]
+    if name is None:
         return 0
-    path = found[-1]
-    meta = json.loads((path / "trainer.json").read_text())
-    model_sd, optim_sd = get_state_dict(worker.actor.model, worker.actor.optimizer)
-    state = {"model": model_sd, "optim": optim_sd, **_critic_state(worker)}
-    dcp.load(state, checkpoint_id=str(path))
+    with store.fs.open(store.path(name, "trainer.json"), "rb") as f:
+        meta = json.loads(f.read())
+    state = _train_state(worker)
+    dcp.load(state, checkpoint_id=store.location(name))
     set_state_dict(worker.actor.model, worker.actor.optimizer,
                    model_state_dict=state["model"], optim_state_dict=state["optim"])
     if worker.critic is not None:
@@ -111,8 +306,13 @@ def load_latest(root: str | Path, worker) -> int:
     if "kl_ctrl" in meta:
         worker.kl_ctrl.load_state_dict(meta["kl_ctrl"])
     worker.loader.load_state_dict(meta["loader"])
-    rank_file = path / f"rank_{dist.get_rank():05d}.pt"
-    if rank_file.is_file() and meta.get("world_size") == dist.get_world_size():
-        _set_rng_state(torch.load(rank_file, weights_only=False)["rng"])
+    saved_world = meta.get("world_size")
+    if saved_world == dist.get_world_size():
+        with store.fs.open(store.path(name, f"rank_{dist.get_rank():05d}.pt"), "rb") as f:
+            _set_rng_state(torch.load(f, weights_only=False)["rng"])
+    elif dist.get_rank() == 0:
+        print(f"distflow: the step-{meta['step']} checkpoint was written by {saved_world} workers and is "
+              f"resharded onto {dist.get_world_size()}; the data stream continues at {meta['loader']}",
+              flush=True)
     worker.rollout.sync(worker.actor_model)
     return int(meta["step"])

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from distflow import checkpoint, process_group
+from distflow import chaos, checkpoint, process_group, sample_ids
 from distflow.coordinator import DataCoordinator
 from distflow.data.buffer import NodeBuffer
 from distflow.data.counters import TransferCounters
@@ -334,14 +334,16 @@ class DagWorker:
         """
         spec = self.spec
         history = []
+        chaos.install(self)
         if spec.checkpoint.dir and self.env.resume and spec.checkpoint.resume == "auto":
             self.step = checkpoint.load_latest(spec.checkpoint.dir, self)
             if self.step and self.is_logger:
                 print(f"distflow: resumed from the step-{self.step} checkpoint in {spec.checkpoint.dir} "
                       f"({spec.trainer.total_steps - self.step} steps to go; --no-resume starts over)",
                       flush=True)
-            if self.step and self.writer is not None:
-                self.writer.drop_after(self.step)  # steps a killed run logged past its checkpoint
+            if self.writer is not None:  # steps a killed run logged past its checkpoint (all, if none)
+                self.writer.drop_after(self.step)
+                sample_ids.drop_after(spec.trainer.log_dir, self.step)
             if self.step and self.exporter is not None:
                 self.exporter.observe_checkpoint(self.step)
         if self.step == 0 and spec.data.eval is not None:
@@ -354,6 +356,7 @@ class DagWorker:
                 # Chaos hook for the resume tests: die like a lost node would, mid-run.
                 raise RuntimeError(f"injected failure at step {fail_at} (DISTFLOW_INJECT_FAILURE_AT_STEP)")
             out = self.run_step()
+            self._log_trained_ids()
             self.step += 1
             every = spec.trainer.eval_every_steps
             if spec.data.eval is not None and (self.step == spec.trainer.total_steps or
@@ -369,7 +372,17 @@ class DagWorker:
                 checkpoint.save(spec.checkpoint.dir, self.step, self, spec.checkpoint.keep_last)
                 if self.exporter is not None:
                     self.exporter.observe_checkpoint(self.step)
+        chaos.write_tally()
         return history
+
+    def _log_trained_ids(self) -> None:
+        """Append this step's trained record ids to ``trained_ids.jsonl`` (see ``distflow.sample_ids``)."""
+        groups = self.coordinator.batch.sample_fields["group_index"].tolist()
+        ids = sample_ids.gather(sample_ids.record_ids(groups, self.step, self.spec.data.train_batch_size,
+                                                      self.spec.trainer.total_steps,
+                                                      self.loader.take_read_batches()))
+        if self.is_logger:
+            sample_ids.append(self.spec.trainer.log_dir, self.step + 1, ids)
 
     def _log(self, record: dict) -> None:
         if self.writer is not None:

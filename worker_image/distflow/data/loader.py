@@ -91,6 +91,7 @@ class ShardedPromptLoader:
         self.offset = 0
         self._permutation_epoch = -1
         self._permutation = np.empty(0, dtype=np.int64)
+        self._read: list[np.ndarray] = []
 
     @property
     def steps_per_epoch(self) -> int:
@@ -130,10 +131,17 @@ class ShardedPromptLoader:
         Only these records are read from the source.
         """
         batch = self.next_global_indices()
+        self._read.append(batch)
         local = self.local_batch_size
         mine = batch[self.dp_rank * local : (self.dp_rank + 1) * local]
         self.offset += self.batch_size
         return self.source.read(mine.tolist())
+
+    def take_read_batches(self) -> list[np.ndarray]:
+        """The global batches ([batch_size] record indices, all ranks' parts) that :meth:`next_batch`
+        read from since the last call, oldest first; forgets them."""
+        read, self._read = self._read, []
+        return read
 
     def state_dict(self) -> dict[str, int]:
         """``{"epoch": e, "offset": prompts of epoch e consumed globally}``; identical on all ranks."""
