@@ -55,8 +55,8 @@ def run(worlds: list[int]) -> dict:
     out = {}
     for world in worlds:
         for way in ("before", "after"):
-            ranks = run_on_ranks(_load_on_rank, world, way, timeout_s=1200)
-            out[f"{way}/W={world}"] = ranks
+            out[f"{way}/W={world}"] = run_on_ranks(_load_on_rank, world, way, timeout_s=1200)
+            print(f"{way}/W={world}", json.dumps(out[f"{way}/W={world}"]), flush=True)
     return out
 
 

@@ -84,17 +84,19 @@ def measure(way: str, dtype: str, batch: int, response: int, prompt: int, temper
     return out
 
 
-def run(batch: int, response: int, prompt: int, temperature: float) -> dict:
+def run(batch: int, response: int, prompt: int, temperature: float,
+        dtypes: tuple[str, ...] = ("float32", "bfloat16")) -> dict:
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "131072", "OMP_NUM_THREADS": "1",
            "PYTHONPATH": os.pathsep.join(str(REPO_ROOT / p) for p in ("worker_image", "operator", "."))}
     results = {}
-    for dtype in ("float32", "bfloat16"):
+    for dtype in dtypes:
         for way in ("before", "after"):
             code = (f"import json; from tests.bench.logprob_memory import measure; print(json.dumps(measure("
                     f"{way!r}, {dtype!r}, {batch}, {response}, {prompt}, {temperature})))")
             done = subprocess.run([sys.executable, "-c", code], env=env, cwd=REPO_ROOT, check=True,
                                   capture_output=True, text=True)
             results[f"{way}/{dtype}"] = json.loads(done.stdout.strip().splitlines()[-1])
+            print(f"{way}/{dtype}", json.dumps(results[f"{way}/{dtype}"]), flush=True)
     return results
 
 
@@ -104,11 +106,12 @@ def main() -> None:
     parser.add_argument("--response", type=int, default=512)
     parser.add_argument("--prompt", type=int, default=64)
     parser.add_argument("--temperature", type=float, default=0.7)
+    parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
     args = parser.parse_args()
-    results = run(args.batch, args.response, args.prompt, args.temperature)
+    results = run(args.batch, args.response, args.prompt, args.temperature, tuple(args.dtypes))
     print(json.dumps(results, indent=1))
     print(f"{'logits dtype':>12} {'[b,R,V] MiB':>11} {'pass':>16} {'before MiB':>10} {'after MiB':>9} {'after/before':>12}")
-    for dtype in ("float32", "bfloat16"):
+    for dtype in args.dtypes:
         b, a = results[f"before/{dtype}"], results[f"after/{dtype}"]
         for name in ("no_grad", "forward_backward"):
             print(f"{dtype:>12} {b['logits_mib']:>11.0f} {name:>16} {b[name + '_mib']:>10.0f} "
