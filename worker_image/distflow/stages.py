@@ -105,7 +105,7 @@ def _log_prob_stage(worker, node: PlannedNode, model, field: str) -> None:
     with model_ops.eval_mode(model):  # the actor update left the policy in train mode
         lp = model_ops.compute_log_probs(model, batch, worker.tokenizer.pad_token_id,
                                          spec.actor.micro_batch_size, spec.rollout.temperature,
-                                         spec.model.mixed_precision, spec.actor.share_prompt_prefix)
+                                         spec.actor.share_prompt_prefix, spec.actor.max_tokens_per_micro_batch)
     worker.coordinator.produce(node.id, batch.with_fields(token={field: lp}))
 
 

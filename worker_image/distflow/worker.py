@@ -35,10 +35,11 @@ from distflow.data.sources import open_source
 from distflow.engines import fsdp
 from distflow.engines.actor import Actor
 from distflow.engines.critic import build_critic
+from distflow.engines.loading import load_sharded_causal_lm
 from distflow.engines.rollout import HfRollout, SamplingParams, render_prompt, render_prompts, response_texts
 from distflow.exporter import NodeExporter
 from distflow.metrics import JsonlWriter, StepMetrics
-from distflow.models import load_causal_lm, load_tokenizer, resolve_model
+from distflow.models import DTYPES, load_causal_lm, load_tokenizer, resolve_model
 from distflow.planner import ROLLOUT, build_plan
 from distflow.rewards import compute_scores
 from distflow.spec import JobSpec
@@ -158,28 +159,29 @@ class DagWorker:
         _seed_everything(spec.trainer.seed)
         self.tokenizer = load_tokenizer(env.model_dir)
         mesh = fsdp.dp_mesh(self.device, env.world_size)
+        compute = DTYPES[spec.model.compute_dtype]
         copy = None
         if not spec.rollout.share_actor_weights and spec.rollout.engine == "hf":
-            copy = load_causal_lm(env.model_dir, spec.model.dtype).to(self.device).eval()
-        actor_model = load_causal_lm(env.model_dir, spec.model.dtype).to(self.device)
-        if spec.model.gradient_checkpointing:
-            actor_model.gradient_checkpointing_enable()
-        self.actor_model = fsdp.apply_fsdp(actor_model, mesh)
-        self.rollout = self._build_rollout(copy)
+            copy = load_causal_lm(env.model_dir, compute).to(self.device).eval()
+        # float32 master weights whatever model.dtype says: AdamW steps them (FSDP2 mixed precision).
+        self.actor_model = load_sharded_causal_lm(env.model_dir, mesh, self.device, torch.float32, compute,
+                                                  spec.model.gradient_checkpointing)
+        self.rollout = self._build_rollout(copy, compute)
         self.actor = Actor.build(spec, self.actor_model, self.tokenizer.pad_token_id,
                                  env.world_size, self.device)
         self.ref_model = None
         if any(n.role == "reference" for n in self.plan.chain):
-            ref = load_causal_lm(env.model_dir, spec.model.dtype).to(self.device).eval()
-            ref.requires_grad_(False)
-            self.ref_model = fsdp.apply_fsdp(ref, mesh)
+            self.ref_model = load_sharded_causal_lm(env.model_dir, mesh, self.device,
+                                                    DTYPES[spec.model.dtype], compute).eval()
+            self.ref_model.requires_grad_(False)
         self._build_critic(mesh)
 
-    def _build_rollout(self, copy):
+    def _build_rollout(self, copy, compute_dtype: torch.dtype):
         """The rollout engine: hf on the actor's weights (or ``copy``), or a colocated vLLM engine."""
         spec, env = self.spec, self.env
         if spec.rollout.engine == "hf":
-            return HfRollout(fsdp.RolloutWeights(self.actor_model, copy), self.tokenizer, self.device)
+            return HfRollout(fsdp.RolloutWeights(self.actor_model, copy, compute_dtype), self.tokenizer,
+                             self.device)
         from distflow.engines.vllm_rollout import VllmRollout, vllm_config
 
         return VllmRollout.build(vllm_config(spec, env.model_dir, self.device.type), self.tokenizer,

@@ -40,7 +40,7 @@ from distflow.algorithms.kl import (
     apply_kl_penalty,
     get_kl_estimator,
 )
-from distflow.algorithms.logits import entropy_from_logits, log_probs_from_logits
+from distflow.algorithms.logits import entropy_from_logits, log_probs_and_entropy, log_probs_from_logits
 from distflow.algorithms.policy_loss import (
     POLICY_LOSSES,
     PolicyLossFn,
@@ -76,6 +76,7 @@ __all__ = [
     "get_kl_estimator",
     "get_policy_loss_fn",
     "groups_with_signal",
+    "log_probs_and_entropy",
     "log_probs_from_logits",
     "masked_mean",
     "masked_moments",

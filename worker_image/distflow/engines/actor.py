@@ -67,7 +67,7 @@ class Actor:
     def _micro_loss(self, mb: model_ops.MicroBatch, norm: LossNormalizer, on_policy: bool):
         alg = self.spec.algorithm
         log_probs, entropy = model_ops.forward_log_probs(
-            self.model, mb, self.spec.rollout.temperature, True, self.spec.model.mixed_precision)
+            self.model, mb, self.spec.rollout.temperature, True, entropy_grad=alg.entropy_coeff > 0)
         mask = mb.response_mask.to(log_probs.device)
         old = log_probs.detach() if on_policy else model_ops.window_field(mb, "old_log_probs")
         adv = model_ops.window_field(mb, "advantages")
@@ -134,8 +134,9 @@ class Actor:
 
     def _optimizer_step(self, part: PackedBatch, on_policy: bool, metrics, num_steps: int) -> None:
         norm = self._global_counts(part)
-        for chunk in model_ops.split_micro_batches(part, self.spec.actor.micro_batch_size):
-            mb = model_ops.collate(chunk, self.pad_token_id, self.spec.actor.share_prompt_prefix)
+        a = self.spec.actor
+        for chunk in model_ops.split_micro_batches(part, a.micro_batch_size, a.max_tokens_per_micro_batch):
+            mb = model_ops.collate(chunk, self.pad_token_id, a.share_prompt_prefix)
             loss, stats, ntok = self._micro_loss(mb, norm, on_policy)
             (loss * self.dp_size).backward()
             for k, v in stats.items():
@@ -145,7 +146,7 @@ class Actor:
                     metrics.add_max(k, float(v))
                 else:
                     metrics.add_mean(k, float(v) * ntok, ntok)
-        grad_norm = fsdp.grad_norm_and_clip(self.model, self.spec.actor.grad_clip)
+        grad_norm = fsdp.grad_norm_and_clip(self.model, a.grad_clip)
         if torch.isfinite(torch.tensor(grad_norm)):
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)

@@ -63,12 +63,11 @@ def load_value_model(local_dir: str, dtype: str = "float32") -> ValueModel:
     return ValueModel(AutoModel.from_pretrained(str(local_dir), dtype=DTYPES[dtype]))
 
 
-def forward_values(model, mb: model_ops.MicroBatch, mixed_precision: str = "none") -> torch.Tensor:
+def forward_values(model, mb: model_ops.MicroBatch) -> torch.Tensor:
     """V(s_t) for every response token of the micro-batch: [b, R] float32 (garbage outside the mask)."""
     device = next(model.parameters()).device
-    with model_ops.autocast(mixed_precision, device):
-        values = model(mb.input_ids.to(device), mb.attention_mask.to(device), mb.position_ids.to(device),
-                       num_positions=mb.window + 1)
+    values = model(mb.input_ids.to(device), mb.attention_mask.to(device), mb.position_ids.to(device),
+                   num_positions=mb.window + 1)
     return values[:, :-1].float()
 
 
@@ -95,7 +94,7 @@ class Critic:
         pieces = []
         for chunk in model_ops.split_micro_batches(batch, self.spec.critic.micro_batch_size):
             mb = model_ops.collate(chunk, self.pad_token_id)
-            values = forward_values(self.model, mb, self.spec.model.mixed_precision)
+            values = forward_values(self.model, mb)
             pieces.append(model_ops.unwindow(mb, values.to(mb.source.device)))
         return torch.cat(pieces) if pieces else torch.zeros(0)
 
@@ -133,7 +132,7 @@ class Critic:
         predictions = []
         for chunk in model_ops.split_micro_batches(part, c.micro_batch_size):
             mb = model_ops.collate(chunk, self.pad_token_id)
-            values = forward_values(self.model, mb, self.spec.model.mixed_precision)
+            values = forward_values(self.model, mb)
             mask = mb.response_mask.to(values.device)
             old = model_ops.window_field(mb, "values").to(values.device)
             returns = model_ops.window_field(mb, "returns").to(values.device)
@@ -163,8 +162,13 @@ class Critic:
 
 
 def build_critic(spec: JobSpec, model_dir: str, pad_token_id: int, mesh, dp_size: int, device) -> Critic:
-    """Load the value model from ``model_dir``, shard it over ``mesh`` (FSDP2) and give it an optimizer."""
-    model = load_value_model(model_dir, spec.model.dtype).to(device)
+    """Load the value model from ``model_dir``, shard it over ``mesh`` (FSDP2) and give it an optimizer.
+
+    Its master weights are float32 whatever ``model.dtype`` says; it computes in model.mixedPrecision
+    (none: model.dtype).
+    """
+    model = load_value_model(model_dir, "float32").to(device)
     if spec.model.gradient_checkpointing:
         model.model.gradient_checkpointing_enable()
-    return Critic.build(spec, fsdp.apply_fsdp(model, mesh), pad_token_id, dp_size, device)
+    return Critic.build(spec, fsdp.apply_fsdp(model, mesh, DTYPES[spec.model.compute_dtype]),
+                        pad_token_id, dp_size, device)

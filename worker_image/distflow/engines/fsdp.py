@@ -4,6 +4,11 @@ Parallelism lives here, apart from model code (torchtitan's split): the model
 is an ordinary transformers causal LM; ``apply_fsdp`` shards each decoder
 layer and then the root over a 1-D dp mesh.
 
+Mixed precision is FSDP2's ``MixedPrecisionPolicy``: the sharded parameters
+(the master weights the optimizer steps) keep their dtype, float32 for a
+trained model; each unit all-gathers and computes in the compute dtype (bf16
+halves the gathered bytes), and gradients are reduce-scattered in float32.
+
 The rollout engine generates with the policy's weights in one of two ways
 (``RolloutWeights``, ``rollout.shareActorWeights``): by default with the
 actor's own FSDP module, unsharded for the rollout (one all-gather per FSDP
@@ -21,7 +26,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 
@@ -67,18 +72,26 @@ def _decoder_layers(model) -> list[torch.nn.Module]:
     return list(layers) if layers is not None else []
 
 
-def apply_fsdp(model: torch.nn.Module, mesh: DeviceMesh) -> torch.nn.Module:
-    """Shard each decoder layer, then the root (FSDP2). Returns the same module."""
+def apply_fsdp(model: torch.nn.Module, mesh: DeviceMesh,
+               compute_dtype: torch.dtype | None = None) -> torch.nn.Module:
+    """Shard each decoder layer, then the root (FSDP2). Returns the same module.
+
+    Args:
+        compute_dtype: dtype of the all-gathered parameters and of the forward
+            and backward (None: the parameters' own); gradients are reduced in float32.
+    """
+    policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
     for layer in _decoder_layers(model):
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+        fully_shard(layer, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
     return model
 
 
-def full_state_tensors(model: torch.nn.Module):
-    """(name, full tensor) for every parameter, all-gathering DTensor shards."""
+def full_state_tensors(model: torch.nn.Module, dtype: torch.dtype | None = None):
+    """(name, full tensor) for every parameter, all-gathering DTensor shards (cast to ``dtype``
+    before the gather, so a bf16 target gathers half the bytes of float32 master weights)."""
     for name, param in model.named_parameters():
-        data = param.data
+        data = param.data if dtype is None else param.data.to(dtype)
         yield name, data.full_tensor() if isinstance(data, DTensor) else data
 
 
@@ -91,7 +104,8 @@ def sync_rollout_weights(actor: torch.nn.Module, rollout_model: torch.nn.Module)
     """
     targets = dict(rollout_model.named_parameters())
     moved = 0
-    for name, full in full_state_tensors(actor):
+    dtype = next(rollout_model.parameters()).dtype
+    for name, full in full_state_tensors(actor, dtype):
         dst = targets[name]
         dst.copy_(full.to(dst.device, dst.dtype))
         moved += full.numel() * full.element_size()
@@ -128,9 +142,11 @@ def unsharded(model: torch.nn.Module) -> Iterator[torch.nn.Module]:
             unit.set_reshard_after_forward(unit is not model, recurse=False)
 
 
-def unsharded_nbytes(model: torch.nn.Module) -> int:
-    """Bytes of the full (unsharded) parameters: what ``unsharded`` all-gathers per rank."""
-    return sum(param.numel() * param.element_size() for param in model.parameters())  # DTensor: global numel
+def unsharded_nbytes(model: torch.nn.Module, dtype: torch.dtype | None = None) -> int:
+    """Bytes of the full (unsharded) parameters in ``dtype`` (None: their own):
+    what ``unsharded`` all-gathers per rank when ``dtype`` is the compute dtype."""
+    return sum(param.numel() * (param.element_size() if dtype is None else dtype.itemsize)
+               for param in model.parameters())  # DTensor: global numel
 
 
 class RolloutWeights:
@@ -142,9 +158,12 @@ class RolloutWeights:
     the actor's shards by ``sync`` after every optimizer step.
     """
 
-    def __init__(self, actor_model: torch.nn.Module, copy: torch.nn.Module | None = None) -> None:
+    def __init__(self, actor_model: torch.nn.Module, copy: torch.nn.Module | None = None,
+                 compute_dtype: torch.dtype | None = None) -> None:
         self.actor_model = actor_model
         self.copy = copy
+        self.compute_dtype = compute_dtype
+        """The dtype ``apply_fsdp`` gave the actor: what the shared weights are gathered in."""
 
     @property
     def shared(self) -> bool:
@@ -166,7 +185,7 @@ class RolloutWeights:
             with metrics.timer("weight_sync") if metrics is not None else nullcontext():
                 model = stack.enter_context(unsharded(self.actor_model))
             if metrics is not None:
-                metrics.add_sum("perf/weight_sync_bytes", unsharded_nbytes(self.actor_model))
+                metrics.add_sum("perf/weight_sync_bytes", unsharded_nbytes(self.actor_model, self.compute_dtype))
             yield model
 
     def sync(self) -> int:

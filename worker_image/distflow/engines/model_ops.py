@@ -38,7 +38,7 @@ from dataclasses import dataclass
 
 import torch
 
-from distflow.algorithms import entropy_from_logits, log_probs_from_logits
+from distflow.algorithms import log_probs_and_entropy
 from distflow.data.batch import PackedBatch, from_padded
 
 
@@ -217,20 +217,18 @@ def unwindow(mb: MicroBatch, values: torch.Tensor) -> torch.Tensor:
     return from_padded(full, mb.source.seq_lens, left_pad=True)
 
 
-def autocast(mixed_precision: str, device: torch.device):
-    """bf16 autocast when asked (fp32 master weights stay fp32)."""
-    if mixed_precision == "bfloat16":
-        return torch.autocast(device.type, dtype=torch.bfloat16)
-    return contextlib.nullcontext()
-
-
 def forward_log_probs(model, mb: MicroBatch, temperature: float, with_entropy: bool,
-                      mixed_precision: str = "none", shared_attention: str = "auto"):
+                      entropy_grad: bool = False, shared_attention: str = "auto"):
     """Log-probabilities of the response tokens under ``model``.
 
     Runs ``mb.prefix_rows`` when set (see ``_shared_prompt_forward``; its mask
     form is ``shared_attention``, one of ``SHARED_ATTENTION``), else the
-    left-padded ``[b, L]`` micro-batch.
+    left-padded ``[b, L]`` micro-batch. The model computes in its (FSDP
+    mixed-precision) parameter dtype; the logits are reduced blockwise in
+    float32 (``log_probs_and_entropy``), never copied whole.
+
+    Args:
+        entropy_grad: let the entropy take part in backward (an entropy bonus).
 
     Returns:
         (log_probs [b, R] float32, entropy [b, R] float32 or None). Positions
@@ -240,20 +238,18 @@ def forward_log_probs(model, mb: MicroBatch, temperature: float, with_entropy: b
     if mb.prefix_rows is not None:
         backend = shared_attention_backend(model, device, shared_attention)
         if backend is not None:
-            return _shared_prompt_forward(model, mb, temperature, with_entropy, mixed_precision, backend)
-    with autocast(mixed_precision, device):
-        out = model(input_ids=mb.input_ids.to(device), attention_mask=mb.attention_mask.to(device),
-                    position_ids=mb.position_ids.to(device), logits_to_keep=mb.window + 1,
-                    use_cache=False)
-    logits = _tempered(out.logits[:, :-1].float(), temperature)
-    labels = mb.input_ids[:, -mb.window:].to(device)
-    log_probs = log_probs_from_logits(logits, labels)
-    entropy = entropy_from_logits(logits) if with_entropy else None
-    return log_probs, entropy
+            return _shared_prompt_forward(model, mb, temperature, with_entropy, entropy_grad, backend)
+    out = model(input_ids=mb.input_ids.to(device), attention_mask=mb.attention_mask.to(device),
+                position_ids=mb.position_ids.to(device), logits_to_keep=mb.window + 1, use_cache=False)
+    # All R + 1 kept positions, the last with a dummy label: slicing it off the logits
+    # would make autograd allocate a second [b, R + 1, V] gradient.
+    labels = torch.nn.functional.pad(mb.input_ids[:, -mb.window:], (0, 1)).to(device)
+    log_probs, entropy = log_probs_and_entropy(out.logits, labels, temperature, entropy_grad)
+    return log_probs[:, :-1], entropy[:, :-1] if with_entropy else None
 
 
 def _shared_prompt_forward(model, mb: MicroBatch, temperature: float, with_entropy: bool,
-                           mixed_precision: str, backend: str):
+                           entropy_grad: bool, backend: str):
     """``forward_log_probs`` over ``mb.prefix_rows``: each prompt runs once per row.
 
     The model gets the ``[g, S]`` rows, the attention mask (a ``BlockMask``
@@ -284,20 +280,21 @@ def _shared_prompt_forward(model, mb: MicroBatch, temperature: float, with_entro
         mask, attention = rows.block_mask(device), _attention_implementation(model, "flex_attention")
     else:
         mask, attention = _attention_mask(model, rows.attention_allowed(device)), contextlib.nullcontext()
-    with autocast(mixed_precision, device), attention:
+    with attention:
         out = model(input_ids=rows.input_ids.to(device), attention_mask=mask,
                     position_ids=rows.position_ids.to(device), logits_to_keep=rows.keep.to(device),
                     use_cache=False)
-    logits = _tempered(out.logits.float(), temperature)
     index, where = rows.logit_index.to(device), rows.window_index.to(device)
     b, window = mb.response_mask.shape
 
     def to_window(per_token: torch.Tensor) -> torch.Tensor:
         return per_token.new_zeros(b * window).index_put((where,), per_token).view(b, window)
 
-    log_probs = to_window(log_probs_from_logits(logits[index], rows.labels.to(device)))
-    entropy = to_window(entropy_from_logits(logits)[index]) if with_entropy else None
-    return log_probs, entropy
+    # Each row's last prompt position serves all its responses: a [M, V] copy of the
+    # N kept positions' logits, with M - N = responses - rows.
+    log_probs, entropy = log_probs_and_entropy(out.logits[index], rows.labels.to(device), temperature,
+                                               entropy_grad)
+    return to_window(log_probs), to_window(entropy) if with_entropy else None
 
 
 @functools.cache
@@ -380,31 +377,44 @@ def _attention_mask(model, allowed: torch.Tensor) -> torch.Tensor:
                      "actor.sharePromptPrefix: false")
 
 
-def _tempered(logits: torch.Tensor, temperature: float) -> torch.Tensor:
-    """Logits divided by the sampling temperature (unchanged for 0, greedy, and 1)."""
-    if temperature > 0 and temperature != 1.0:
-        return logits / temperature
-    return logits
+def split_micro_batches(batch: PackedBatch, micro_batch_size: int,
+                        max_tokens: int | None = None) -> list[PackedBatch]:
+    """Consecutive chunks of ``batch`` (order kept), one per forward/backward.
 
-
-def split_micro_batches(batch: PackedBatch, micro_batch_size: int) -> list[PackedBatch]:
-    """Consecutive chunks of at most ``micro_batch_size`` samples (order kept)."""
+    Args:
+        micro_batch_size: samples per chunk at most (when ``max_tokens`` is None).
+        max_tokens: instead a token budget (verl's dynamic batch size): a chunk
+            of b samples whose longest has L tokens is the left-padded [b, L]
+            forward, so each chunk is the longest run with b * L <= max_tokens
+            (a single longer sample goes alone).
+    """
     n = batch.num_samples
-    return [batch.select(range(i, min(n, i + micro_batch_size))) for i in range(0, n, micro_batch_size)]
+    if max_tokens is None:
+        return [batch.select(range(i, min(n, i + micro_batch_size))) for i in range(0, n, micro_batch_size)]
+    chunks, start, longest = [], 0, 0
+    for i, length in enumerate(batch.seq_lens.tolist()):
+        longest = max(longest, length)
+        if i > start and (i - start + 1) * longest > max_tokens:
+            chunks.append(batch.select(range(start, i)))
+            start, longest = i, length
+    if n > start:
+        chunks.append(batch.select(range(start, n)))
+    return chunks
 
 
 @torch.no_grad()
 def compute_log_probs(model, batch: PackedBatch, pad_token_id: int, micro_batch_size: int,
-                      temperature: float, mixed_precision: str = "none",
-                      share_prompt_prefix: bool = False) -> torch.Tensor:
+                      temperature: float, share_prompt_prefix: bool = False,
+                      max_tokens: int | None = None) -> torch.Tensor:
     """Per-token log-probs of a whole local batch, packed ``[T_total]`` (0 on prompt tokens).
 
-    ``share_prompt_prefix``: run each micro-batch's prompts once (see ``collate``).
+    ``share_prompt_prefix``: run each micro-batch's prompts once (see ``collate``);
+    ``micro_batch_size`` and ``max_tokens``: see ``split_micro_batches``.
     """
     pieces = []
-    for chunk in split_micro_batches(batch, micro_batch_size):
+    for chunk in split_micro_batches(batch, micro_batch_size, max_tokens):
         mb = collate(chunk, pad_token_id, share_prompt_prefix)
-        lp, _ = forward_log_probs(model, mb, temperature, False, mixed_precision)
+        lp, _ = forward_log_probs(model, mb, temperature, False)
         pieces.append(unwindow(mb, lp.to(batch.device)))  # stays on the step data's device
     if not pieces:
         return torch.zeros(0)
