@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.controlplane.kueue import KUEUE_NAMESPACE_LABEL, Kueue, build_kueue
 from tests.controlplane.cluster import ControlPlaneError
+from tests.controlplane.kueue import KUEUE_NAMESPACE_LABEL, Kueue, build_kueue
 from tests.operator._helpers import (  # noqa: F401  (fixtures)
     api, crd, example_job, operator, operator_kubeconfig_path, wait_for,
 )
