@@ -8,6 +8,9 @@ Field names are camelCase (Kubernetes convention); snake_case is accepted too
 so that a local config may use either. A local run config is the same spec in
 a file: either a whole ``RLPostTrainJob`` manifest or just its ``spec``.
 
+The operator-only sections (``scheduling``, ``template``) are in
+:mod:`distflow.spec_pod`; every model shares :class:`distflow.spec_base.SpecBase`.
+
 Every validation error names the field path (``spec.data.trainBatchSize``) and
 the fix, and is raised as :class:`DistflowConfigError` before any worker starts.
 """
