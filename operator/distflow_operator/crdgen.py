@@ -70,7 +70,7 @@ MAX_NAME_LENGTH = 53
 """63 (DNS label) minus len('-node-4095'): the longest pod hostname must still fit."""
 
 _COPIED = ("type", "description", "enum", "pattern", "minLength", "maxLength", "minItems", "maxItems",
-           "minimum", "maximum", "format")
+           "minimum", "maximum", "format", "maxProperties")
 _HANDLED = set(_COPIED) | {"title", "default", "properties", "required", "additionalProperties",
                            "items", "exclusiveMinimum", "exclusiveMaximum", "$ref", "anyOf"}
 

@@ -63,3 +63,12 @@ def test_restricted_namespace_refuses_what_the_profile_forbids(control_plane, k8
     status, body = dry_run_node_pod(control_plane, k8s_namespace, template)
     assert status == 403, body
     assert 'violates PodSecurity "restricted:latest"' in body["message"] and violation in body["message"], body
+
+
+@pytest.mark.parametrize(("template", "needle"), [
+    ({"labels": {"distflow.io/attempt": "7"}}, "spec.template.labels: the operator sets"),
+    ({"securityContext": {"runAsUser": 0}}, "runAsUser: 0 contradicts runAsNonRoot: true"),
+])
+def test_crd_refuses_owned_labels_and_root_under_run_as_non_root(api, crd, template, needle):
+    status, body = api.create_job(example_job("bad", template=template))
+    assert status == 422 and needle in body["message"], body

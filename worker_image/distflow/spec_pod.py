@@ -101,9 +101,10 @@ class PodTemplateSpec(SpecBase):
     """Image pull policy."""
     image_pull_secrets: list[str] = Field(default_factory=list)
     """Names of Secrets in the job's namespace to pull the image with."""
-    labels: dict[str, str] = Field(default_factory=dict)
+    # The bound keeps the CRD's CEL check on label keys within the API server's cost budget.
+    labels: dict[str, str] = Field(default_factory=dict, max_length=64)
     """Extra labels on every node pod (keys the operator sets are rejected)."""
-    annotations: dict[str, str] = Field(default_factory=dict)
+    annotations: dict[str, str] = Field(default_factory=dict, max_length=64)
     """Extra annotations on every node pod."""
     resources: dict[str, Any] = Field(default_factory=dict)
     """Container resources (requests/limits); accelerators are added from cluster.acceleratorsPerNode."""
