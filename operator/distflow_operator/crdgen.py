@@ -20,10 +20,10 @@ The pydantic JSON schema becomes a Kubernetes structural schema:
 
 CEL rules (``x-kubernetes-validations``) add what a schema cannot say: the
 spec's cross-field size checks (same fields and fixes as ``distflow.spec``), fields
-that may not change while the job exists, pod-template env names the operator
-owns, and a metadata.name short enough for ``<name>-node-<rank>``. Anything
-the generator cannot express raises, so a spec change never silently weakens
-the CRD.
+that may not change while the job exists, pod-template env names and pod labels
+the operator owns, a non-root uid, and a metadata.name short enough for
+``<name>-node-<rank>``. Anything the generator cannot express raises, so a spec
+change never silently weakens the CRD.
 """
 
 from __future__ import annotations
@@ -44,7 +44,8 @@ from distflow.spec import (
 from distflow_operator import (
     API_GROUP, API_VERSION, CATEGORY, CRD_NAME, KIND, PLURAL, SHORT_NAME, SINGULAR,
 )
-from distflow_operator.render import OPERATOR_ENV_NAMES
+from distflow_operator.podspec import KUEUE_KEYS
+from distflow_operator.render import GANG_METADATA_KEYS, OPERATOR_ENV_NAMES, node_labels
 from distflow_operator.status import JobStatus
 
 DEFAULT_OUTPUT = Path("crds") / f"{CRD_NAME}.yaml"
@@ -69,7 +70,7 @@ MAX_NAME_LENGTH = 53
 """63 (DNS label) minus len('-node-4095'): the longest pod hostname must still fit."""
 
 _COPIED = ("type", "description", "enum", "pattern", "minLength", "maxLength", "minItems", "maxItems",
-           "minimum", "maximum", "format")
+           "minimum", "maximum", "format", "maxProperties")
 _HANDLED = set(_COPIED) | {"title", "default", "properties", "required", "additionalProperties",
                            "items", "exclusiveMinimum", "exclusiveMaximum", "$ref", "anyOf"}
 
@@ -108,6 +109,17 @@ ENV_NAME_RULE = {
     "message": "spec.template.env: the operator sets " + ", ".join(OPERATOR_ENV_NAMES)
                + " on every node; remove them from template.env",
 }
+_OWNED_LABELS = (*node_labels("job", 0, 1), *GANG_METADATA_KEYS, *KUEUE_KEYS)
+LABEL_KEYS_RULE = {
+    "rule": "self.all(k, !(k in [" + ", ".join(f"'{k}'" for k in _OWNED_LABELS) + "]))",
+    "message": "spec.template.labels: the operator sets " + ", ".join(_OWNED_LABELS)
+               + " on node pods; remove them (for Kueue, label the RLPostTrainJob itself)",
+}
+ROOT_RULE = {
+    "rule": "!self.runAsNonRoot || !has(self.runAsUser) || self.runAsUser != 0",
+    "message": "spec.template.securityContext.runAsUser: 0 contradicts runAsNonRoot: true; "
+               "set runAsNonRoot: false to run as root, or pick a non-zero uid",
+}
 NAME_RULE = {
     "rule": f"size(self.metadata.name) <= {MAX_NAME_LENGTH} && "
             "self.metadata.name.matches('^[a-z]([-a-z0-9]*[a-z0-9])?$')",
@@ -119,6 +131,8 @@ OVERLAYS: dict[tuple[str, ...], dict[str, Any]] = {
     # An EnvVar needs a name, and CEL can read only declared fields.
     ("template", "env", "*"): {"required": ["name"], "properties": {"name": {"type": "string", "minLength": 1}}},
     ("template", "env"): {"x-kubernetes-validations": [ENV_NAME_RULE]},
+    ("template", "labels"): {"x-kubernetes-validations": [LABEL_KEYS_RULE]},
+    ("template", "securityContext"): {"x-kubernetes-validations": [ROOT_RULE]},
 }
 
 

@@ -16,6 +16,7 @@ from typing import Any
 from distflow.errors import DistflowConfigError
 from distflow.spec import JobSpec, parse_spec
 
+from distflow_operator.podspec import KUEUE_QUEUE_LABEL
 from distflow_operator.render import CONTAINER_NAME, LABEL_ATTEMPT, LABEL_RANK, template_problems
 
 
@@ -131,6 +132,8 @@ class JobView:
     """Why the spec can never work, each naming its field."""
     status: Mapping[str, Any] = field(default_factory=dict)
     """The status as last written (by this operator)."""
+    kueue_queue: str | None = None
+    """The job's kueue.x-k8s.io/queue-name label (its pods then form Kueue pod groups)."""
 
 
 def job_view(body: Mapping[str, Any], status: Mapping[str, Any] | None = None) -> JobView:
@@ -155,4 +158,5 @@ def job_view(body: Mapping[str, Any], status: Mapping[str, Any] | None = None) -
         spec=spec,
         problems=problems,
         status=dict(status if status is not None else body.get("status") or {}),
+        kueue_queue=(meta.get("labels") or {}).get(KUEUE_QUEUE_LABEL) or None,
     )

@@ -209,7 +209,7 @@ class Reconciler:
             await self._call(self._api.delete_job, job.namespace, job.name, job.uid)
 
     async def _create_pods(self, job: JobView, decision: Decision) -> None:
-        owner = JobRef(job.name, job.namespace, job.uid)
+        owner = JobRef(job.name, job.namespace, job.uid, job.kueue_queue)
         spec, attempt = job.spec, decision.state.attempt
         children = [build_config_map(spec, owner), build_headless_service(spec, owner),
                     build_pod_group(spec, owner)]

@@ -8,6 +8,9 @@ Children of a job ``<job>`` in its namespace:
                                    <job>-node-<rank>.<job>.<ns>.svc
     PodGroup   <job>               only with scheduling.batchScheduler (gang scheduling)
 
+A job labelled ``kueue.x-k8s.io/queue-name`` gets Kueue pod-group metadata on
+its pods instead (see podspec): Kueue admits each gang attempt as one Workload.
+
 Nothing here reads the environment or the cluster: same spec, same objects.
 User errors in ``spec.template`` raise :class:`DistflowConfigError` naming the
 field; :func:`template_problems` lists them without raising (the operator marks
@@ -26,6 +29,7 @@ from distflow.errors import DistflowConfigError
 from distflow.spec import API_GROUP, API_VERSION, KIND, JobSpec, dump_spec
 
 from distflow_operator import MANAGER
+from distflow_operator import podspec
 
 SPEC_MOUNT_DIR = "/etc/distflow"
 SPEC_FILE = "spec.yaml"
@@ -52,6 +56,8 @@ SPEC_VOLUME = "distflow-spec"
 SHM_VOLUME = "dshm"
 RESERVED_VOLUMES = (SPEC_VOLUME, SHM_VOLUME)
 
+GANG_METADATA_KEYS = ("scheduling.k8s.io/group-name", "scheduling.x-k8s.io/pod-group")
+"""Pod label/annotation keys of the batch schedulers' PodGroups (set in _scheduling_fields)."""
 # Gang scheduling: (PodGroup apiVersion, default schedulerName) per batch scheduler.
 POD_GROUP_APIS = {
     "volcano": ("scheduling.volcano.sh/v1beta1", "volcano"),
@@ -66,6 +72,8 @@ class JobRef:
     name: str
     namespace: str
     uid: str
+    kueue_queue: str | None = None
+    """The job's ``kueue.x-k8s.io/queue-name`` label: its pods form Kueue pod groups."""
 
     def owner_reference(self) -> dict[str, Any]:
         # controller=true lets the garbage collector and `kubectl describe` attribute children;
@@ -177,7 +185,7 @@ def _env_problems(spec: JobSpec) -> list[str]:
 
 
 def _volume_problems(spec: JobSpec) -> list[str]:
-    problems = []
+    problems = podspec.pvc_problems(spec, RESERVED_VOLUMES)
     for field, items in (("volumes", spec.template.volumes), ("volumeMounts", spec.template.volume_mounts)):
         for i, item in enumerate(items):
             if item.get("name") in RESERVED_VOLUMES:
@@ -200,7 +208,9 @@ def _resource_problems(spec: JobSpec) -> list[str]:
 
 def template_problems(spec: JobSpec) -> list[str]:
     """Problems in spec.template that make the pods impossible to render, each naming its field."""
-    return _env_problems(spec) + _volume_problems(spec) + _resource_problems(spec)
+    operator_keys = (*node_labels("job", 0, 1), *GANG_METADATA_KEYS)
+    return (_env_problems(spec) + _volume_problems(spec) + _resource_problems(spec)
+            + podspec.metadata_problems(spec, operator_keys))
 
 
 def _node_env(spec: JobSpec, owner: JobRef, rank: int, attempt: int) -> list[dict[str, str]]:
@@ -234,6 +244,8 @@ def _resources(spec: JobSpec) -> dict[str, Any]:
 def _container(spec: JobSpec, owner: JobRef, rank: int, attempt: int) -> dict[str, Any]:
     tpl = spec.template
     port = metrics_port(spec)
+    _, security = podspec.security_contexts(tpl.security_context)
+    _, pvc_mounts = podspec.pvc_volumes(tpl.persistent_volume_claims)
     return {
         "name": CONTAINER_NAME,
         "image": tpl.image,
@@ -245,7 +257,8 @@ def _container(spec: JobSpec, owner: JobRef, rank: int, attempt: int) -> dict[st
         "resources": _resources(spec),
         "volumeMounts": [{"name": SPEC_VOLUME, "mountPath": SPEC_MOUNT_DIR, "readOnly": True},
                          {"name": SHM_VOLUME, "mountPath": "/dev/shm"}]
-                        + copy.deepcopy(tpl.volume_mounts),
+                        + pvc_mounts + copy.deepcopy(tpl.volume_mounts),
+        "securityContext": security,
         # Ready = the node's metrics endpoint answers, i.e. its runtime is up.
         "readinessProbe": {"httpGet": {"path": "/metrics", "port": "metrics"},
                            "periodSeconds": 10, "failureThreshold": 3},
@@ -273,12 +286,25 @@ def _scheduling_fields(spec: JobSpec, owner: JobRef) -> tuple[dict[str, Any], di
     return fields, labels, annotations
 
 
+def _pod_metadata(spec: JobSpec, owner: JobRef, rank: int, attempt: int) -> dict[str, Any]:
+    """Labels and annotations: the template's first, so the operator's and Kueue's win."""
+    _, sched_labels, sched_annotations = _scheduling_fields(spec, owner)
+    kueue_labels, kueue_annotations = podspec.kueue_metadata(owner.kueue_queue, owner.name, attempt,
+                                                            spec.cluster.num_nodes)
+    labels = {**spec.template.labels, **node_labels(owner.name, rank, attempt), **sched_labels, **kueue_labels}
+    metadata = _metadata(pod_name(owner.name, rank), owner, labels)
+    annotations = {**spec.template.annotations, **sched_annotations, **kueue_annotations}
+    if annotations:
+        metadata["annotations"] = annotations
+    return metadata
+
+
 def build_node_pod(spec: JobSpec, owner: JobRef, rank: int, attempt: int) -> dict[str, Any]:
     """Pod ``<job>-node-<rank>`` of gang attempt ``attempt`` (1-based).
 
     Raises:
         DistflowConfigError: spec.template sets an operator env name, a reserved
-            volume name, or nvidia.com/gpu (see :func:`template_problems`).
+            volume name, label or annotation, or nvidia.com/gpu (see :func:`template_problems`).
     """
     assert 0 <= rank < spec.cluster.num_nodes and attempt >= 1
     problems = template_problems(spec)
@@ -286,10 +312,9 @@ def build_node_pod(spec: JobSpec, owner: JobRef, rank: int, attempt: int) -> dic
         raise DistflowConfigError(problems)
     tpl = spec.template
     name = pod_name(owner.name, rank)
-    sched_fields, extra_labels, annotations = _scheduling_fields(spec, owner)
-    metadata = _metadata(name, owner, {**node_labels(owner.name, rank, attempt), **extra_labels})
-    if annotations:
-        metadata["annotations"] = annotations
+    sched_fields, _, _ = _scheduling_fields(spec, owner)
+    pod_security, _ = podspec.security_contexts(tpl.security_context)
+    pvc_volumes, _ = podspec.pvc_volumes(tpl.persistent_volume_claims)
     pod_spec: dict[str, Any] = {
         "hostname": name,
         "subdomain": service_name(owner.name),
@@ -297,11 +322,13 @@ def build_node_pod(spec: JobSpec, owner: JobRef, rank: int, attempt: int) -> dic
         "restartPolicy": "Never",
         # Hundreds of service env vars per pod help nobody and slow startup.
         "enableServiceLinks": False,
+        "securityContext": pod_security,
         "containers": [_container(spec, owner, rank, attempt)],
         "volumes": [{"name": SPEC_VOLUME, "configMap": {"name": config_map_name(owner.name)}},
-                    {"name": SHM_VOLUME, "emptyDir": {"medium": "Memory"}}]
-                   + copy.deepcopy(tpl.volumes),
+                    podspec.shm_volume(SHM_VOLUME, tpl.shm_size)]
+                   + pvc_volumes + copy.deepcopy(tpl.volumes),
         **sched_fields,
+        **podspec.host_fields(spec),
     }
     if tpl.service_account_name:
         pod_spec["serviceAccountName"] = tpl.service_account_name
@@ -312,4 +339,9 @@ def build_node_pod(spec: JobSpec, owner: JobRef, rank: int, attempt: int) -> dic
                        ("affinity", tpl.affinity)):
         if value:
             pod_spec[key] = copy.deepcopy(value)
-    return {"apiVersion": "v1", "kind": "Pod", "metadata": metadata, "spec": pod_spec}
+    if tpl.topology_spread_constraints:
+        selector = {LABEL_JOB: owner.name, LABEL_MANAGED_BY: MANAGER}
+        pod_spec["topologySpreadConstraints"] = podspec.spread_constraints(
+            tpl.topology_spread_constraints, selector, LABEL_ATTEMPT)
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": _pod_metadata(spec, owner, rank, attempt),
+            "spec": pod_spec}

@@ -8,6 +8,9 @@ Field names are camelCase (Kubernetes convention); snake_case is accepted too
 so that a local config may use either. A local run config is the same spec in
 a file: either a whole ``RLPostTrainJob`` manifest or just its ``spec``.
 
+The operator-only sections (``scheduling``, ``template``) are in
+:mod:`distflow.spec_pod`; every model shares :class:`distflow.spec_base.SpecBase`.
+
 Every validation error names the field path (``spec.data.trainBatchSize``) and
 the fix, and is raised as :class:`DistflowConfigError` before any worker starts.
 """
@@ -18,10 +21,12 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
-from pydantic.alias_generators import to_camel, to_snake
+from pydantic import Field, ValidationError, model_validator
+from pydantic.alias_generators import to_snake
 
 from distflow.errors import DistflowConfigError
+from distflow.spec_base import SpecBase
+from distflow.spec_pod import PodTemplateSpec, SchedulingSpec
 
 API_GROUP = "distflow.io"
 API_VERSION = "v1alpha1"
@@ -43,12 +48,7 @@ NODE_ROLES = ("rollout", "reward", "reference", "old_log_prob", "advantage", "ac
 NODE_KINDS = ("inference", "train", "compute")
 
 
-class _Spec(BaseModel):
-    model_config = ConfigDict(
-        extra="forbid", alias_generator=to_camel, validate_by_name=True, validate_by_alias=True,
-        serialize_by_alias=True, frozen=True,
-        use_attribute_docstrings=True,
-    )
+_Spec = SpecBase
 
 
 class ModelSpec(_Spec):
@@ -400,40 +400,6 @@ class RunPolicySpec(_Spec):
     """Delete the finished job after this long."""
     suspend: bool = False
     """Delete the pods but keep the job; false again recreates them."""
-
-
-class SchedulingSpec(_Spec):
-    batch_scheduler: Literal["none", "volcano", "scheduler-plugins"] = "none"
-    """Gang scheduling through a PodGroup of this scheduler."""
-    scheduler_name: str | None = None
-    """Pod schedulerName (defaults to the batch scheduler's)."""
-    priority_class_name: str | None = None
-    """Pod priority class."""
-    queue: str | None = None
-    """Volcano queue."""
-
-
-class PodTemplateSpec(_Spec):
-    image: str = "distflow/worker:0.1.0"
-    """Worker image."""
-    image_pull_policy: Literal["Always", "IfNotPresent", "Never"] = "IfNotPresent"
-    """Image pull policy."""
-    resources: dict[str, Any] = Field(default_factory=dict)
-    """Container resources (requests/limits); accelerators are added from cluster.acceleratorsPerNode."""
-    env: list[dict[str, Any]] = Field(default_factory=list)
-    """Extra container env (names the operator sets are rejected)."""
-    node_selector: dict[str, str] = Field(default_factory=dict)
-    """Pod nodeSelector."""
-    tolerations: list[dict[str, Any]] = Field(default_factory=list)
-    """Pod tolerations."""
-    affinity: dict[str, Any] = Field(default_factory=dict)
-    """Pod affinity."""
-    volumes: list[dict[str, Any]] = Field(default_factory=list)
-    """Extra pod volumes."""
-    volume_mounts: list[dict[str, Any]] = Field(default_factory=list)
-    """Extra container volume mounts."""
-    service_account_name: str | None = None
-    """Pod service account."""
 
 
 class JobSpec(_Spec):
