@@ -8,7 +8,11 @@ discovery rules are read-only and cluster-scoped: kopf lists and watches
 namespaces and CRDs even when it serves one namespace, and without them it
 retries for about a minute before falling back.
 
-What is deliberately absent: no ``update`` anywhere (status and ConfigMaps are
+``update`` on ``rlposttrainjobs/finalizers`` only: children carry
+``blockOwnerDeletion: true``, which the OwnerReferencesPermissionEnforcement
+admission plugin allows only to who may update the owner's finalizers.
+
+What is deliberately absent: no other ``update`` (status and ConfigMaps are
 patched), no ``patch`` on jobs (the operator never writes spec or metadata), no
 ``list`` on Services/ConfigMaps (they are created by name), no Secrets, and the
 node pods get no rights at all.
@@ -21,6 +25,7 @@ from distflow_operator import API_GROUP, PLURAL
 OPERATOR_RULES: list[dict[str, list[str]]] = [
     {"apiGroups": [API_GROUP], "resources": [PLURAL], "verbs": ["get", "list", "watch", "delete"]},
     {"apiGroups": [API_GROUP], "resources": [f"{PLURAL}/status"], "verbs": ["get", "patch"]},
+    {"apiGroups": [API_GROUP], "resources": [f"{PLURAL}/finalizers"], "verbs": ["update"]},
     {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch", "create", "delete"]},
     {"apiGroups": [""], "resources": ["configmaps"], "verbs": ["get", "create", "patch"]},
     {"apiGroups": [""], "resources": ["services"], "verbs": ["get", "create"]},
