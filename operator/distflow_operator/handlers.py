@@ -24,6 +24,7 @@ from prometheus_client import CollectorRegistry, ProcessCollector, start_http_se
 from distflow_operator import API_GROUP, API_VERSION, MANAGER, PLURAL
 from distflow_operator.config import OperatorConfig
 from distflow_operator.kube import KubeApi, client_configuration, kopf_login
+from distflow_operator.leader import LeaderElector
 from distflow_operator.metrics import OperatorMetrics
 from distflow_operator.podcache import PodCache
 from distflow_operator.reconcile import Reconciler
@@ -100,6 +101,11 @@ async def start_operator(settings: kopf.OperatorSettings, memo: kopf.Memo, rljob
     runtime = OperatorRuntime(api, reconciler, metrics)
     runtime.tasks = [asyncio.create_task(reconciler.resync_forever(config.resync_interval_s)),
                      asyncio.create_task(reconciler.scrape_forever(config.progress_interval_s))]
+    if config.leader_election_namespace:
+        elector = LeaderElector(api, config.leader_election_namespace, lease_duration_s=config.lease_duration_s,
+                                on_elected=reconciler.kick_all)
+        reconciler.is_leader = lambda: elector.is_leader
+        runtime.tasks.append(asyncio.create_task(elector.run(reconciler.call)))
     if config.metrics_port:
         runtime.metrics_server = _serve_metrics(config.metrics_port, metrics)
     memo["runtime"] = runtime

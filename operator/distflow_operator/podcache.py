@@ -23,6 +23,7 @@ from distflow_operator.render import LABEL_JOB
 
 JobKey = tuple[str, str]
 """(namespace, job name)"""
+MAX_DISRUPTED_NAMES = 64
 
 
 class PodCache(Mapping[JobKey, list[PodView]]):
@@ -33,6 +34,8 @@ class PodCache(Mapping[JobKey, list[PodView]]):
         self._written: dict[str, tuple[JobKey, int]] = {}
         """pod uid -> (job key, sequence number of the last write)."""
         self._by_job: dict[JobKey, dict[str, PodView]] = {}
+        self._disrupted: dict[JobKey, list[str]] = {}
+        """Names of pods that were deleted after a disruption (eviction, preemption), newest last."""
 
     @staticmethod
     def _identify(pod: Mapping[str, Any]) -> tuple[str, JobKey] | None:
@@ -63,9 +66,17 @@ class PodCache(Mapping[JobKey, list[PodView]]):
         uid, key = found
         if event_type == "DELETED":
             self.forget(uid)
+            if pod_view(pod).disrupted:
+                # The pod is gone by the time the job reconciles; its last state says why.
+                names = self._disrupted.setdefault(key, [])
+                names[:] = names[-(MAX_DISRUPTED_NAMES - 1):] + [pod["metadata"].get("name", "")]
         else:
             self._put(uid, key, pod_view(pod))
         return key
+
+    def disrupted(self, key: JobKey) -> frozenset[str]:
+        """Names of the job's pods whose deletion a disruption caused (as far as watch events told)."""
+        return frozenset(self._disrupted.get(key, ()))
 
     def begin_list(self) -> int:
         """Mark the start of a LIST; pass the mark to :meth:`replace`."""

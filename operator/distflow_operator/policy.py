@@ -256,13 +256,14 @@ def _advance(job: JobView, pods: Sequence[PodView], state: RunState, now: dateti
     return Decision(state, create_ranks=missing, requeue_after=_min(deadline_left, limit))
 
 
-def decide(job: JobView, pods: Sequence[PodView], now: datetime,
-           lost: Collection[str] = (), rejected: tuple[int, str] | None = None) -> Decision:
+def decide(job: JobView, pods: Sequence[PodView], now: datetime, lost: Collection[str] = (),
+           rejected: tuple[int, str] | None = None, disrupted: Collection[str] = ()) -> Decision:
     """What to do for ``job`` given its observed node pods (only pods it controls).
 
     Args:
         lost: names of pods of the status's attempt seen earlier that are gone now.
         rejected: (passes in a row, last message) whose pod creation the API server refused with a 4xx.
+        disrupted: names of lost pods whose last observed state was a disruption (eviction, preemption).
     """
     state = run_state(job.status, pods)
     prev_phase = job.status.get("phase")
@@ -288,7 +289,8 @@ def decide(job: JobView, pods: Sequence[PodView], now: datetime,
     current = [p for p in pods if p.attempt == state.attempt]
     failures = [f for f in (_pod_failure(p, job, now) for p in sorted(current, key=lambda p: p.name)) if f]
     present = {p.name for p in current}
-    failures += [("Count", _lost(name)) for name in sorted(lost) if name not in present]
+    failures += [("Ignore", Outcome("Restarting", "NodeDisrupted", f"node pod {name} was disrupted"))
+                 if name in disrupted else ("Count", _lost(name)) for name in sorted(lost) if name not in present]
     fatal = next((why for action, why in failures if action == "FailJob"), None)
     if fatal:
         return _finish(job, pods, state, now, fatal)

@@ -8,7 +8,8 @@ discovery rules are read-only and cluster-scoped: kopf lists and watches
 namespaces and CRDs even when it serves one namespace, and without them it
 retries for about a minute before falling back.
 
-``update`` on ``rlposttrainjobs/finalizers`` only: children carry
+``update`` on Leases: leader election between replicas (leader.py).
+``update`` on ``rlposttrainjobs/finalizers``: children carry
 ``blockOwnerDeletion: true``, which the OwnerReferencesPermissionEnforcement
 admission plugin allows only to who may update the owner's finalizers.
 
@@ -30,6 +31,7 @@ OPERATOR_RULES: list[dict[str, list[str]]] = [
     {"apiGroups": [""], "resources": ["configmaps"], "verbs": ["get", "create", "patch"]},
     {"apiGroups": [""], "resources": ["services"], "verbs": ["get", "create"]},
     {"apiGroups": [""], "resources": ["events"], "verbs": ["create"]},
+    {"apiGroups": ["coordination.k8s.io"], "resources": ["leases"], "verbs": ["get", "create", "update"]},
     {"apiGroups": ["scheduling.volcano.sh", "scheduling.x-k8s.io"], "resources": ["podgroups"],
      "verbs": ["get", "create"]},
 ]

@@ -117,6 +117,8 @@ class Reconciler:
         self._api, self._jobs, self._metrics, self._clock = api, jobs, metrics, clock
         self.pods = self._pods = pods
         self._pod_selector = pod_selector
+        self.is_leader: Callable[[], bool] = lambda: True
+        """False while another replica holds the leader Lease: watch, but do not act."""
         self._pool = ThreadPoolExecutor(api_workers, thread_name_prefix="distflow-api")
         self._memory: dict[JobKey, _JobMemory] = {}
         self._queue: dict[JobKey, _QueueEntry] = {}
@@ -170,11 +172,17 @@ class Reconciler:
 
     # -- one pass --------------------------------------------------------------------------
 
-    async def _call(self, fn: Callable[..., Any], *args: Any) -> Any:
+    async def call(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """Run a blocking API call on the reconciler's thread pool."""
         return await asyncio.get_running_loop().run_in_executor(self._pool, functools.partial(fn, *args))
+    def kick_all(self) -> None:
+        for key in list(self._jobs):
+            self.kick(key)
 
     async def reconcile(self, key: JobKey) -> float | None:
         """One pass for job ``key``; returns seconds until a time-based decision is due."""
+        if not self.is_leader():
+            return None  # the leader reconciles; kick_all runs when this replica is elected
         body = _first(self._jobs.get(key))
         if body is None:
             self.forget(key)
@@ -188,12 +196,14 @@ class Reconciler:
             return None  # the garbage collector removes the children; the status stays as it was
         pods = [p for p in self._pods.get(key, ()) if p.owner_uid == uid]
         now = self._clock()
-        decision = decide(job, pods, now, memory.lost(run_state(job.status, pods).attempt, pods), memory.rejected)
+        lost = memory.lost(run_state(job.status, pods).attempt, pods)
+        disrupted = self._pods.disrupted(key) if lost and isinstance(self._pods, PodCache) else ()
+        decision = decide(job, pods, now, lost, memory.rejected, disrupted)
         new = compute_status(job, pods, decision, now, memory.progress)
         if new != job.status:
             version = _newer(memory.resource_version, body["metadata"].get("resourceVersion"))
             try:
-                written = await self._call(self._api.patch_job_status, job.namespace, job.name,
+                written = await self.call(self._api.patch_job_status, job.namespace, job.name,
                                            status_patch(job.status, new), version)
             except StatusConflict:
                 # Someone else changed the job (a spec edit, another replica): decide again on fresh data.
@@ -247,13 +257,13 @@ class Reconciler:
                     continue
                 memory.posted[(event_type, reason, message)] = now
             try:
-                await self._call(self._api.post_event, owner, event_type, reason, message)
+                await self.call(self._api.post_event, owner, event_type, reason, message)
             except Exception as err:  # events are best effort; never fail a reconcile for one
                 logger.warning("event %s on %s/%s not recorded: %s", reason, job.namespace, job.name, err)
 
     async def _apply(self, job: JobView, decision: Decision) -> None:
         if decision.delete_pods:
-            gone = await asyncio.gather(*(self._call(self._api.delete_pod, job.namespace, p.name, p.uid)
+            gone = await asyncio.gather(*(self.call(self._api.delete_pod, job.namespace, p.name, p.uid)
                                           for p in decision.delete_pods))
             # No watch event will ever say so for a pod that is already gone: drop it now.
             if any(self._pods.forget(p.uid) for p, was_gone in zip(decision.delete_pods, gone, strict=True)
@@ -262,11 +272,11 @@ class Reconciler:
         for pod in decision.force_delete_pods:
             logger.warning("%s/%s: pod %s still Terminating past its timeout; force-deleting it",
                            job.namespace, job.name, pod.name)
-            await self._call(self._api.force_delete_pod, job.namespace, pod.name, pod.uid)
+            await self.call(self._api.force_delete_pod, job.namespace, pod.name, pod.uid)
         if decision.create_ranks:
             await self._create_pods(job, decision)
         if decision.delete_job:
-            await self._call(self._api.delete_job, job.namespace, job.name, job.uid)
+            await self.call(self._api.delete_job, job.namespace, job.name, job.uid)
 
     async def _create_pods(self, job: JobView, decision: Decision) -> None:
         owner = JobRef(job.name, job.namespace, job.uid)
@@ -275,9 +285,9 @@ class Reconciler:
                     build_pod_group(spec, owner)]
         for child in children:
             if child is not None:
-                await self._call(self._api.ensure, child, owner)
+                await self.call(self._api.ensure, child, owner)
         pods = [build_node_pod(spec, owner, rank, attempt) for rank in decision.create_ranks]
-        created = await asyncio.gather(*(self._call(self._api.create, pod) for pod in pods))
+        created = await asyncio.gather(*(self.call(self._api.create, pod) for pod in pods))
         if any(created):
             await self._post_events(job, [("Normal", "CreatedNodePods",
                                            f"created {sum(created)} node pods for attempt {attempt}")])
@@ -288,7 +298,7 @@ class Reconciler:
         """LIST distflow's pods in every namespace with jobs and replace the pod cache with the answer."""
         namespaces = {ns for ns, _ in list(self._jobs)}
         mark = self._pods.begin_list()
-        listed = await asyncio.gather(*(self._call(self._api.list_pods, ns, self._pod_selector)
+        listed = await asyncio.gather(*(self.call(self._api.list_pods, ns, self._pod_selector)
                                         for ns in sorted(namespaces)))
         for key in self._pods.replace(mark, [pod for items in listed for pod in items], namespaces):
             self.kick(key)
@@ -300,8 +310,7 @@ class Reconciler:
                 await self.relist_pods()
             except Exception as err:  # the API server may be restarting; the next resync lists again
                 logger.warning("pod relist failed: %s", err)
-            for key in list(self._jobs):
-                self.kick(key)
+            self.kick_all()
             await asyncio.sleep(interval_s)
 
     def _scrape_targets(self) -> list[tuple[JobKey, str, int]]:

@@ -322,6 +322,12 @@ class ControlPlane:
             while_down()
         self._start_apiserver(port=int(self.server.rsplit(":", 1)[1]))
 
+    def pause(self, component: str, paused: bool = True) -> None:
+        """SIGSTOP (or SIGCONT) a component by pid: a paused kwok is a kubelet that stopped
+        answering, so deleted pods stay Terminating as on a NotReady node."""
+        proc = next(p for name, p, _ in self._procs if name == component)
+        proc.send_signal(signal.SIGSTOP if paused else signal.SIGCONT)
+
     def etcd(self, method: str, body: dict[str, Any]) -> dict[str, Any]:
         """One call to etcd's v3 JSON gateway, e.g. ``etcd("kv/range", {"key": b64})``: tests use it to
         change storage behind the API server's back (a missed delete, a compaction)."""

@@ -4,6 +4,7 @@ observations that survive relists, transient pod errors, disruptions, RBAC."""
 from __future__ import annotations
 
 import base64
+import time
 
 import pytest
 import yaml
@@ -87,3 +88,66 @@ def test_pod_deleted_during_a_watch_gap_is_purged_by_the_relist_and_restarts_the
     status = api.wait_phase("relist", "Running", attempt=2)
     assert status["restarts"] == 1 and "relist-node-1" in _condition(status, "Restarting").get("message", "") \
         or any("relist-node-1 was deleted" in e["message"] for e in api.events("relist"))
+
+
+def test_pods_stuck_terminating_are_force_deleted_and_the_status_says_what_the_restart_waits_for(
+        control_plane, k8s_namespace, api, operator):
+    api.create_job(example_job("stuck", runPolicy={"backoffSeconds": 0, "terminatingTimeoutSeconds": 0}))
+    api.wait_running_gang("stuck", attempt=1, num_nodes=2)
+    api.wait_phase("stuck", "Running")
+    control_plane.pause("kwok")  # the kubelets stop answering: deleted pods stay Terminating
+    try:
+        control_plane.set_pod_phase(k8s_namespace, "stuck-node-1", "Failed", exit_code=1)
+        waiting = api.wait_phase("stuck", "Restarting", reason="WaitingForTermination", timeout_s=20)
+        assert "stuck-node-0" in waiting["message"] and "terminatingTimeoutSeconds=0" in waiting["message"]
+        assert _condition(waiting, "Restarting")["reason"] == "WaitingForTermination"
+        # Grace period (30 s) + terminatingTimeoutSeconds (0), then a force delete; attempt 2 is created.
+        wait_for(lambda: {p["metadata"]["labels"]["distflow.io/attempt"] for p in api.pods("stuck")} == {"2"}
+                 and len(api.pods("stuck")) == 2, 60, what="attempt 1 force-deleted, attempt 2 created")
+    finally:
+        control_plane.pause("kwok", paused=False)
+    assert api.wait_phase("stuck", "Running", attempt=2, timeout_s=30)["restarts"] == 1
+
+
+def test_pod_creation_rejected_by_quota_is_reported_then_fails_the_job_with_one_event(
+        control_plane, k8s_namespace, api, operator):
+    quota = {"apiVersion": "v1", "kind": "ResourceQuota", "metadata": {"name": "one-pod"},
+             "spec": {"hard": {"pods": "1"}}}
+    control_plane.request("POST", f"/api/v1/namespaces/{k8s_namespace}/resourcequotas", quota, expect=(201,))
+    wait_for(lambda: (api.get("resourcequotas", "one-pod") or {}).get("status", {}).get("hard"), 20,
+             what="quota active")
+    api.create_job(example_job("quota"))
+    status = api.wait_phase("quota", "Failed", timeout_s=30)
+    assert status["reason"] == "PodCreationRejected" and "exceeded quota" in status["message"]
+    rejected = [e for e in api.events("quota") if e["reason"] == "PodCreationRejected"]
+    assert len(rejected) == 1 and "exceeded quota" in rejected[0]["message"]
+
+
+def test_eviction_restarts_the_gang_without_using_up_max_restarts(control_plane, k8s_namespace, api, operator):
+    api.create_job(example_job("evict", runPolicy={"maxRestarts": 0, "backoffSeconds": 0}))
+    api.wait_running_gang("evict", attempt=1, num_nodes=2)
+    api.wait_phase("evict", "Running")
+    eviction = {"apiVersion": "policy/v1", "kind": "Eviction",
+                "metadata": {"name": "evict-node-1", "namespace": k8s_namespace}}
+    control_plane.request("POST", f"/api/v1/namespaces/{k8s_namespace}/pods/evict-node-1/eviction", eviction,
+                          expect=(201,))
+    api.wait_running_gang("evict", attempt=2, num_nodes=2)
+    status = api.wait_phase("evict", "Running", attempt=2)
+    assert (status["restarts"], status["disruptions"]) == (0, 1)
+
+
+def test_foreground_deletion_keeps_a_finished_jobs_phase(control_plane, k8s_namespace, api, operator):
+    api.create_job(example_job("done"))
+    api.wait_running_gang("done", attempt=1, num_nodes=2)
+    for rank in (0, 1):
+        control_plane.set_pod_phase(k8s_namespace, f"done-node-{rank}", "Succeeded")
+    api.wait_phase("done", "Succeeded")
+    # A finalizer of the test's holds the job while the garbage collector removes its children.
+    api.patch_job("done", {"metadata": {"finalizers": ["distflow.io/test-hold"]}})
+    control_plane.request("DELETE", f"{api.jobs}/done", {"propagationPolicy": "Foreground"}, expect=(200, 202))
+    try:
+        wait_for(lambda: not api.pods("done"), 20, what="children deleted")
+        time.sleep(2.0)  # the operator sees the deleting job and its pods vanish
+        assert api.status("done")["phase"] == "Succeeded"
+    finally:
+        api.patch_job("done", {"metadata": {"finalizers": None}})

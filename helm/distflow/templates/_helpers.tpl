@@ -72,6 +72,9 @@ no update anywhere, no patch on jobs, no Secrets.
 - apiGroups: [""]
   resources: [events]
   verbs: [create]
+- apiGroups: [coordination.k8s.io]
+  resources: [leases]
+  verbs: [get, create, update]
 {{- if eq .Values.batchScheduler "volcano" }}
 - apiGroups: [scheduling.volcano.sh]
   resources: [podgroups]
