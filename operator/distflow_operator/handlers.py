@@ -103,7 +103,7 @@ async def start_operator(settings: kopf.OperatorSettings, memo: kopf.Memo, rljob
                      asyncio.create_task(reconciler.scrape_forever(config.progress_interval_s))]
     if config.leader_election_namespace:
         elector = LeaderElector(api, config.leader_election_namespace, lease_duration_s=config.lease_duration_s,
-                                on_elected=reconciler.kick_all)
+                                on_elected=reconciler.elected)
         reconciler.is_leader = lambda: elector.is_leader
         runtime.tasks.append(asyncio.create_task(elector.run(reconciler.call)))
     if config.metrics_port:

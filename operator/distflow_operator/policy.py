@@ -9,7 +9,7 @@ labelled ``distflow.io/attempt=a``. Decisions, in order:
 2. An invalid spec fails a job that has not started (reason InvalidSpec)
    without children. A started job whose spec this operator cannot read
    (operator/CRD version skew) is held as it is: no pod created or deleted,
-   the problem goes to the SpecUnderstood condition and an event. Fields
+   the problem goes to the VersionSkew condition and an event. Fields
    the operator does not know are ignored (``JobView.unknown_fields``).
 3. ``suspend``: every pod deleted, the job kept. Resuming starts a new attempt
    (so pods still terminating from before are never mistaken for failures) but

@@ -179,6 +179,12 @@ class Reconciler:
         for key in list(self._jobs):
             self.kick(key)
 
+    def elected(self) -> None:
+        """This replica leads (again): what it remembered may be stale, so start from the API's state."""
+        for memory in self._memory.values():
+            memory.status, memory.resource_version = None, None
+        self.kick_all()
+
     async def reconcile(self, key: JobKey) -> float | None:
         """One pass for job ``key``; returns seconds until a time-based decision is due."""
         if not self.is_leader():
@@ -191,7 +197,10 @@ class Reconciler:
         memory = self._memory.get(key)
         if memory is None or memory.uid != uid:
             memory = self._memory[key] = _JobMemory(uid)
-        job = job_view(body, memory.status)
+        body_version = body["metadata"].get("resourceVersion")
+        # Our last write wins over a watch that has not delivered it yet, never over a newer object.
+        ours = _newer(memory.resource_version, body_version) == memory.resource_version
+        job = job_view(body, memory.status if ours else None)
         if job.deleting:
             return None  # the garbage collector removes the children; the status stays as it was
         pods = [p for p in self._pods.get(key, ()) if p.owner_uid == uid]
@@ -201,7 +210,7 @@ class Reconciler:
         decision = decide(job, pods, now, lost, memory.rejected, disrupted)
         new = compute_status(job, pods, decision, now, memory.progress)
         if new != job.status:
-            version = _newer(memory.resource_version, body["metadata"].get("resourceVersion"))
+            version = _newer(memory.resource_version, body_version)
             try:
                 written = await self.call(self._api.patch_job_status, job.namespace, job.name,
                                            status_patch(job.status, new), version)
