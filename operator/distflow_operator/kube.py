@@ -93,6 +93,17 @@ def job_path(namespace: str, name: str) -> str:
     return f"/apis/{API_GROUP}/{API_VERSION}/namespaces/{namespace}/{PLURAL}/{name}"
 
 
+POD_GROUP_FIELDS = ("minMember", "minResources", "queue", "priorityClassName")
+"""PodGroup spec fields the operator renders (render.build_pod_group); others belong to the scheduler."""
+
+
+def pod_group_patch(current: dict[str, Any], wanted: dict[str, Any]) -> dict[str, Any]:
+    """Merge patch bringing the operator's fields of a PodGroup spec to ``wanted`` ({} if in line)."""
+    patch: dict[str, Any] = {k: None for k in POD_GROUP_FIELDS if k in current and k not in wanted}
+    patch.update({k: v for k, v in wanted.items() if current.get(k) != v})
+    return patch
+
+
 def _controller_uid(obj: dict[str, Any]) -> str | None:
     refs = obj.get("metadata", {}).get("ownerReferences") or []
     return next((r.get("uid") for r in refs if r.get("controller")), None)
@@ -150,6 +161,10 @@ class KubeApi:
                                 f"{KIND} {owner.name}; delete or rename it")
         if obj["kind"] == "ConfigMap" and current.get("data") != obj["data"]:
             self.request("PATCH", path, {"data": obj["data"]}, content_type="application/merge-patch+json",
+                         query=[("fieldManager", MANAGER)])
+        if obj["kind"] == "PodGroup" and (patch := pod_group_patch(current.get("spec") or {}, obj["spec"])):
+            # spec.scheduling may change while the job is suspended; the gang must follow.
+            self.request("PATCH", path, {"spec": patch}, content_type="application/merge-patch+json",
                          query=[("fieldManager", MANAGER)])
 
     def delete_pod(self, namespace: str, name: str, uid: str) -> bool:

@@ -33,9 +33,10 @@ OPERATOR_RULES: list[dict[str, list[str]]] = [
     {"apiGroups": [""], "resources": ["events"], "verbs": ["create"]},
     {"apiGroups": ["coordination.k8s.io"], "resources": ["leases"], "verbs": ["get", "create", "update"]},
     {"apiGroups": ["scheduling.volcano.sh", "scheduling.x-k8s.io"], "resources": ["podgroups"],
-     "verbs": ["get", "create"]},
+     "verbs": ["get", "create", "patch"]},
 ]
-"""delete on jobs: ttlSecondsAfterFinished. get on the others: adopting what a 409 says exists."""
+"""delete on jobs: ttlSecondsAfterFinished. get on the others: adopting what a 409 says exists.
+patch on podgroups: the PodGroup follows scheduling edits."""
 
 KOPF_DISCOVERY_RULES: list[dict[str, list[str]]] = [
     {"apiGroups": [""], "resources": ["namespaces"], "verbs": ["list", "watch"]},

@@ -78,11 +78,11 @@ no update anywhere, no patch on jobs, no Secrets.
 {{- if eq .Values.batchScheduler "volcano" }}
 - apiGroups: [scheduling.volcano.sh]
   resources: [podgroups]
-  verbs: [get, create]
+  verbs: [get, create, patch]
 {{- else if eq .Values.batchScheduler "scheduler-plugins" }}
 - apiGroups: [scheduling.x-k8s.io]
   resources: [podgroups]
-  verbs: [get, create]
+  verbs: [get, create, patch]
 {{- end }}
 {{- end }}
 
