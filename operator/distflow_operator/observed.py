@@ -156,11 +156,17 @@ def job_view(body: Mapping[str, Any], status: Mapping[str, Any] | None = None) -
     meta = body.get("metadata") or {}
     spec: JobSpec | None = None
     problems: tuple[str, ...] = ()
-    raw, unknown = _without_unknown_fields(body.get("spec"))
+    unknown: tuple[str, ...] = ()
     try:
-        spec = parse_spec(raw, root="spec")
+        spec = parse_spec(body.get("spec"), root="spec")
     except DistflowConfigError as err:
         problems = tuple(err.problems)
+        pruned, unknown = _without_unknown_fields(body.get("spec"))
+        if unknown:
+            try:
+                spec, problems = parse_spec(pruned, root="spec"), ()
+            except DistflowConfigError as still:
+                problems = tuple(still.problems)
     if spec is not None and (template := template_problems(spec)):
         spec, problems = None, tuple(template)
     return JobView(

@@ -8,10 +8,12 @@ Level-based, like a controller-runtime work queue:
   and the decisions' own ``requeue_after`` (backoff, deadline, TTL).
 - Reads come from in-memory caches: kopf's job index and the pod cache
   (podcache.py), fed by watch events and replaced every resync by a LIST of
-  distflow's pods, so a pod deleted while a watch was down cannot linger. The cache may lag the operator's own writes; that is safe
-  because creates are idempotent (409 = exists), deletes carry a uid
-  precondition, and the status the operator wrote last is remembered and
-  preferred over a stale copy of it.
+  distflow's pods, so a pod deleted while a watch was down cannot linger.
+  The caches may lag the operator's own writes; that is safe because
+  creates are idempotent (409 = exists), deletes carry a uid precondition,
+  and the status the operator wrote last is remembered and preferred over
+  an older copy of the job (never over a newer one); status patches carry
+  the job's resourceVersion, so a concurrent writer makes it decide again.
 - The status (attempt, restarts, times) is written *before* pods are created
   or deleted, so a crash between the two leaves a state the next pass
   completes rather than repeats.

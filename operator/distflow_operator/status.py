@@ -211,7 +211,8 @@ def compute_status(job: JobView, pods: Sequence[PodView], decision: Decision, no
     reason, message = _explain(job, decision, phase, (desired, running, scheduled))
     status = JobStatus(
         phase=phase, reason=reason, message=message, observed_generation=job.generation,
-        attempt=state.attempt, restarts=state.restarts, disruptions=state.disruptions, desired_nodes=desired, ready_nodes=ready,
+        attempt=state.attempt, restarts=state.restarts, disruptions=state.disruptions,
+        desired_nodes=desired, ready_nodes=ready,
         nodes=f"{ready}/{desired}",
         start_time=format_time(state.start_time) if state.start_time else None,
         completion_time=format_time(state.completion_time) if state.completion_time else None,

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import random
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import yaml
@@ -158,3 +159,26 @@ def test_chaos_many_8_node_jobs_applied_at_once(control_plane, k8s_namespace, ap
     elapsed = time.monotonic() - started
     print(f"\nCHAOS {num_jobs} jobs x 8 nodes applied at once: all Running in {elapsed:.1f}s, "
           f"leader RSS {replicas.rss_mib():.0f} MiB")
+
+
+def test_chaos_unrelated_pods_cost_the_operator_nothing(control_plane, k8s_namespace, api, replicas):
+    count = 5000 if LONG else 500
+    api.create_job(example_job("mine"))
+    api.wait_phase("mine", "Running")
+    time.sleep(3.0)
+    before = replicas.rss_mib()
+    pod = {"apiVersion": "v1", "kind": "Pod",
+           "spec": {"schedulerName": "no-such-scheduler",  # stays Pending: no scheduler or kwok work
+                    "containers": [{"name": "c", "image": "busybox"}]}}
+
+    def create(i: int) -> None:
+        control_plane.request("POST", f"/api/v1/namespaces/{k8s_namespace}/pods",
+                              {**pod, "metadata": {"name": f"other-{i}", "labels": {"app": "other"}}},
+                              expect=(201,))
+
+    with ThreadPoolExecutor(8) as pool:
+        list(pool.map(create, range(count)))
+    time.sleep(5.0)  # two resyncs
+    after = replicas.rss_mib()
+    print(f"\nCHAOS {count} unrelated pods in the watched namespace: operator RSS {before:.0f} -> {after:.0f} MiB")
+    assert api.status("mine")["phase"] == "Running"
