@@ -1,6 +1,7 @@
 """kopf handlers: thin glue from watch events to the reconciler.
 
-Only index and event handlers are used: neither makes kopf add a finalizer or
+Only index and event handlers are used (the pods go to the reconciler's own
+cache, which a periodic LIST corrects; see podcache.py): neither makes kopf add a finalizer or
 write bookkeeping, so a job can always be deleted, with or without a running
 operator (timers and daemons would need a finalizer; there is no delete
 handler). The storages are still set to the ``distflow.io`` annotation prefix
@@ -95,8 +96,7 @@ async def start_operator(settings: kopf.OperatorSettings, memo: kopf.Memo, rljob
     config = memo.get("config") or OperatorConfig.from_env()
     metrics = OperatorMetrics()
     api = KubeApi(client_configuration(), pool_size=config.api_workers)
-    memo["pods"] = pods = memo.get("pods") or PodCache()
-    reconciler = Reconciler(api, rljob_index, pods, metrics, api_workers=config.api_workers,
+    reconciler = Reconciler(api, rljob_index, PodCache(), metrics, api_workers=config.api_workers,
                             pod_selector=NODE_POD_SELECTOR)
     runtime = OperatorRuntime(api, reconciler, metrics)
     runtime.tasks = [asyncio.create_task(reconciler.resync_forever(config.resync_interval_s)),
