@@ -72,7 +72,7 @@ def configure(settings: kopf.OperatorSettings) -> None:
     settings.watching.connect_timeout = 30
     settings.networking.request_timeout = 60
     settings.watching.label_selectors["v1", "pods"] = NODE_POD_SELECTOR
-    # One replica (Deployment strategy Recreate); no peering objects needed.
+    # No kopf peering: several replicas elect a leader through a Lease instead (leader.py).
     settings.peering.standalone = True
 
 
