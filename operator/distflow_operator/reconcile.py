@@ -50,6 +50,7 @@ JobKey = tuple[str, str]
 MAX_ERROR_BACKOFF_S = 60.0
 EVENT_DEDUP_S = 600.0
 CONFLICT_RETRY_S = 0.5
+REJECTED_RETRY_S = 0.5
 PERMANENT_CREATE_ERRORS = (400, 403, 422)
 """Answers to a pod creation that retrying the same pod cannot fix (bad volume, PodSecurity, quota)."""
 
@@ -227,25 +228,35 @@ class Reconciler:
             self._observe_transition(job.status, new, now)
             await self._post_events(job, transition_events(job.status, new))
         memory.status = new
+        if await self._act(job, memory, decision) is False:
+            return REJECTED_RETRY_S  # the next pass reports the rejection in the status, or fails the job
+        self._metrics.record_job(job.namespace, job.name, JobSample(
+            new["phase"], new.get("restarts", 0), new.get("readyNodes", 0), new.get("desiredNodes", 0)))
+        return decision.requeue_after
+
+    async def _act(self, job: JobView, memory: _JobMemory, decision: Decision) -> bool:
+        """Apply the decision; False when the API server refused the pods for good (4xx), which is
+        remembered for the policy instead of being retried silently.
+
+        Raises:
+            KubeApiError, ChildConflict: anything else; the pass is retried with backoff.
+        """
         try:
             await self._apply(job, decision)
         except KubeApiError as err:
             if decision.create_ranks and err.status in PERMANENT_CREATE_ERRORS:
-                count = (memory.rejected or (0, ""))[0] + 1
-                memory.rejected = (count, str(err))
+                memory.rejected = ((memory.rejected or (0, ""))[0] + 1, str(err))
                 await self._post_events(job, [("Warning", "PodCreationRejected", str(err))])
-                return 0.05  # the next pass reports it in the status, or fails the job
+                return False
             await self._post_events(job, [("Warning", "ReconcileError", str(err))])
             raise
         except ChildConflict as err:
-            # Users read `kubectl describe rljob`, not operator logs; the pass is retried with backoff.
+            # Users read `kubectl describe rljob`, not operator logs.
             await self._post_events(job, [("Warning", "ReconcileError", str(err))])
             raise
         if decision.create_ranks:
             memory.rejected = None
-        self._metrics.record_job(job.namespace, job.name, JobSample(
-            new["phase"], new.get("restarts", 0), new.get("readyNodes", 0), new.get("desiredNodes", 0)))
-        return decision.requeue_after
+        return True
 
     def _observe_transition(self, old: Mapping[str, Any], new: Mapping[str, Any], now: datetime) -> None:
         added = (new.get("restarts") or 0) - (old.get("restarts") or 0)
