@@ -231,3 +231,24 @@ def test_relist_never_overwrites_a_newer_watch_event():
     assert cache.replace(mark, [_pod_obj("a", "u-a", phase="Running")], {"ns"}) == set()
     assert [p.phase for p in cache[KEY]] == ["Failed"]
     assert cache.forget("u-a") == KEY and KEY not in cache
+
+
+def test_refused_pod_creation_is_reported_once_then_fails_the_job():
+    from distflow_operator.kube import KubeApiError
+
+    reconciler, api, doc, _, _ = setup()
+
+    def refuse(pod):
+        api.calls.append(("create", pod["metadata"]["name"]))
+        raise KubeApiError("POST", "/pods", 403, {"reason": "Forbidden", "message": "exceeded quota: pods=1"})
+    api.create = refuse
+
+    async def passes():
+        return [await reconciler.reconcile(KEY) for _ in range(4)]
+    delays = asyncio.run(passes())
+    assert delays[:3] == [0.5, 0.5, 0.5]
+    assert doc["status"]["phase"] == "Failed" and doc["status"]["reason"] == "PodCreationRejected"
+    assert "exceeded quota" in doc["status"]["message"]
+    # Three refusals with one message: one event for them, one for the job failing.
+    assert [c for c in api.calls if c == ("event", "PodCreationRejected")] == [("event", "PodCreationRejected")] * 2
+    assert len([c for c in api.calls if c[0] == "create"]) == 3 * 2
