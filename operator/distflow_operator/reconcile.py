@@ -120,6 +120,8 @@ class Reconciler:
         self._api, self._jobs, self._metrics, self._clock = api, jobs, metrics, clock
         self.pods = self._pods = pods
         self._pod_selector = pod_selector
+        self._pods_listed = not pod_selector
+        """False until the first pod LIST answered: before it, an empty cache would read as 'no pods'."""
         self.is_leader: Callable[[], bool] = lambda: True
         """False while another replica holds the leader Lease: watch, but do not act."""
         self._pool = ThreadPoolExecutor(api_workers, thread_name_prefix="distflow-api")
@@ -192,6 +194,8 @@ class Reconciler:
         """One pass for job ``key``; returns seconds until a time-based decision is due."""
         if not self.is_leader():
             return None  # the leader reconciles; kick_all runs when this replica is elected
+        if not self._pods_listed:
+            return 0.2
         body = _first(self._jobs.get(key))
         if body is None:
             self.forget(key)
@@ -324,6 +328,7 @@ class Reconciler:
                                         for ns in sorted(namespaces)))
         for key in self._pods.replace(mark, [pod for items in listed for pod in items], namespaces):
             self.kick(key)
+        self._pods_listed = True
 
     async def resync_forever(self, interval_s: float) -> None:
         """Relist pods and kick every known job periodically: heals what a missed event left behind."""
