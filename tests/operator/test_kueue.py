@@ -117,9 +117,6 @@ def test_gang_waits_for_quota_for_all_its_pods_then_starts_together(control_plan
     assert api.wait_phase("kq", "Running")["nodes"] == "2/2"
 
 
-@pytest.mark.xfail(reason="open: attempt 2's pods were not Running within 90 s with quota for one gang "
-                          "(is attempt 1's Workload still holding quota, or its pods their Kueue finalizer?)",
-                   strict=False)
 def test_gang_restart_queues_the_next_attempt_after_the_failed_one_releases_quota(
         control_plane, k8s_namespace, api, queue, operator):
     # Quota for exactly one gang: attempt 2 is admitted only if attempt 1 gave its quota back.
