@@ -47,19 +47,34 @@ class ControlPlaneError(RuntimeError):
     """A component did not start; the message carries the tail of its log."""
 
 
-def build_binaries(timeout_s: float = 3600.0) -> Path:
-    """Run build.sh (a no-op when its cache is warm) and return the bin dir.
+def run_build_script(script: Path, timeout_s: float = 3600.0) -> Path:
+    """Run a build script (a no-op when its cache is warm) and return its last stdout line as a path.
 
     Raises:
         ControlPlaneError: the build failed; the message has its output tail.
     """
-    proc = subprocess.run(["bash", str(BUILD_SCRIPT)], capture_output=True, text=True,
+    proc = subprocess.run(["bash", str(script)], capture_output=True, text=True,
                           timeout=timeout_s, check=False)
     lines = proc.stdout.strip().splitlines()
     if proc.returncode != 0 or not lines:
         tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-30:])
-        raise ControlPlaneError(f"build.sh failed (exit {proc.returncode}):\n{tail}")
+        raise ControlPlaneError(f"{script.name} failed (exit {proc.returncode}):\n{tail}")
     return Path(lines[-1])
+
+
+def _terminate(proc: subprocess.Popen, timeout_s: float) -> None:
+    """SIGTERM, then SIGKILL after ``timeout_s``; returns once the process is gone."""
+    proc.terminate()
+    try:
+        proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+def build_binaries(timeout_s: float = 3600.0) -> Path:
+    """Run build.sh and return the bin dir (see ``run_build_script``)."""
+    return run_build_script(BUILD_SCRIPT, timeout_s)
 
 
 def missing_binaries(bin_dir: Path | None) -> list[str]:
@@ -218,12 +233,7 @@ class ControlPlane:
         """
         for _, proc, _ in reversed(self._procs):
             if proc.poll() is None:
-                proc.terminate()
-                try:
-                    proc.wait(timeout=self.stop_timeout_s)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                    proc.wait()
+                _terminate(proc, self.stop_timeout_s)
         self._procs.clear()
         atexit.unregister(self.stop)
         keep = keep_workdir or os.environ.get("DISTFLOW_KEEP_CONTROLPLANE") == "1"
@@ -312,12 +322,7 @@ class ControlPlane:
         port and wait for /readyz. Clients keep their kubeconfig; their watches break."""
         index = next(i for i, (name, _, _) in enumerate(self._procs) if name == "kube-apiserver")
         _, proc, _ = self._procs.pop(index)
-        proc.terminate()
-        try:
-            proc.wait(timeout=self.stop_timeout_s)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        _terminate(proc, self.stop_timeout_s)
         if while_down is not None:
             while_down()
         self._start_apiserver(port=int(self.server.rsplit(":", 1)[1]))

@@ -34,7 +34,8 @@ from typing import Any
 
 import yaml
 
-from tests.controlplane.cluster import ControlPlane, ControlPlaneError, _openssl, _pdeathsig_hook, free_port
+from tests.controlplane.cluster import (ControlPlane, ControlPlaneError, _openssl, _pdeathsig_hook, free_port,
+                                        run_build_script)
 
 HERE = Path(__file__).resolve().parent
 BUILD_SCRIPT = HERE / "build_kueue.sh"
@@ -46,18 +47,8 @@ others target integrations that are off here and would refuse every call."""
 
 
 def build_kueue(timeout_s: float = 3600.0) -> Path:
-    """Run build_kueue.sh (a no-op when cached) and return the kueue binary.
-
-    Raises:
-        ControlPlaneError: the build failed; the message has its output tail.
-    """
-    proc = subprocess.run(["bash", str(BUILD_SCRIPT)], capture_output=True, text=True,
-                          timeout=timeout_s, check=False)
-    lines = proc.stdout.strip().splitlines()
-    if proc.returncode != 0 or not lines:
-        tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-30:])
-        raise ControlPlaneError(f"build_kueue.sh failed (exit {proc.returncode}):\n{tail}")
-    return Path(lines[-1])
+    """Run build_kueue.sh and return the kueue binary (see ``cluster.run_build_script``)."""
+    return run_build_script(BUILD_SCRIPT, timeout_s)
 
 
 def issue_serving_cert(directory: Path, ca_dir: Path) -> None:
