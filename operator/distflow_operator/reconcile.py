@@ -172,14 +172,15 @@ class Reconciler:
             self._observe_transition(job.status, new, now)
             await self._post_events(job, transition_events(job.status, new))
         memory.status = new
+        # Right after the status it mirrors: a reader who sees the new phase in status sees it here too.
+        self._metrics.record_job(job.namespace, job.name, JobSample(
+            new["phase"], new.get("restarts", 0), new.get("readyNodes", 0), new.get("desiredNodes", 0)))
         try:
             await self._apply(job, decision)
         except (KubeApiError, ChildConflict) as err:
             # Users read `kubectl describe rljob`, not operator logs; the pass is retried with backoff.
             await self._post_events(job, [("Warning", "ReconcileError", str(err))])
             raise
-        self._metrics.record_job(job.namespace, job.name, JobSample(
-            new["phase"], new.get("restarts", 0), new.get("readyNodes", 0), new.get("desiredNodes", 0)))
         return decision.requeue_after
 
     def _observe_transition(self, old: Mapping[str, Any], new: Mapping[str, Any], now: datetime) -> None:

@@ -20,7 +20,7 @@ import pytest
 
 from distflow_operator import CRD_NAME
 from tests.controlplane.cluster import free_port
-from tests.operator._helpers import Api, example_job, wait_for
+from tests.operator._helpers import Api, crd, example_job, wait_for  # noqa: F401  (crd: a fixture)
 from tests.operator.test_helm import (  # noqa: F401  (fixtures)
     CHART, cluster_helm, helm_binary, http_get, operator_process, stop,
 )

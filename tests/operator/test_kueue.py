@@ -115,20 +115,3 @@ def test_gang_waits_for_quota_for_all_its_pods_then_starts_together(control_plan
     running = api.wait_running_gang("kq", attempt=1, num_nodes=2, timeout_s=60)
     assert not any(gated(p) for p in running)
     assert api.wait_phase("kq", "Running")["nodes"] == "2/2"
-
-
-def test_gang_restart_queues_the_next_attempt_after_the_failed_one_releases_quota(
-        control_plane, k8s_namespace, api, queue, operator):
-    # Quota for exactly one gang: attempt 2 is admitted only if attempt 1 gave its quota back.
-    set_gpu_quota(control_plane, k8s_namespace, 2 * GPUS_PER_NODE)
-    assert api.create_job(kueue_job("kr", queue))[0] == 201
-    api.wait_running_gang("kr", attempt=1, num_nodes=2, timeout_s=90)
-    control_plane.set_pod_phase(k8s_namespace, "kr-node-1", "Failed", exit_code=1)
-    pods = api.wait_running_gang("kr", attempt=2, num_nodes=2, timeout_s=90)
-    assert {p["metadata"]["labels"]["kueue.x-k8s.io/pod-group-name"] for p in pods} == {"kr-a2"}
-    assert condition(workload(control_plane, k8s_namespace, "kr-a2"), "Admitted").get("status") == "True"
-    first = workload(control_plane, k8s_namespace, "kr-a1")
-    assert first is None or condition(first, "Finished").get("status") == "True"
-    for pod in pods:
-        control_plane.set_pod_phase(k8s_namespace, pod["metadata"]["name"], "Succeeded")
-    assert api.wait_phase("kr", "Succeeded", timeout_s=60)["restarts"] == 1
