@@ -1,7 +1,7 @@
 """Shared pytest plumbing: tier markers' run rules and the control plane fixtures.
 
-Markers are declared in pyproject.toml. Here: `bench` tests run only when the
--m expression names bench; `gpu` tests skip without CUDA; `control_plane`
+Markers are declared in pyproject.toml. Here: `bench`, `chaos` and `vllm` tests
+run only when the -m expression names them (OPT_IN_TIERS); `gpu` tests skip without CUDA; `control_plane`
 builds (cached) and starts a real control plane once per session, lazily, so
 tests that do not ask for it never trigger a build.
 """
@@ -19,6 +19,13 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 
+OPT_IN_TIERS = {
+    "bench": "benchmark",
+    "chaos": "chaos loop (kill -9 and resume; minutes per trial on 2 cores)",
+    "vllm": "vLLM tier (its own venv, SmolLM2 on vLLM's CPU build; ~10+ min on 2 cores)",
+}
+"""Tiers that run only when the -m expression names them: too long for the default run."""
+
 
 def pytest_configure(config: pytest.Config) -> None:
     # Subprocesses the tests start (`python -m distflow.cli ...`) import this checkout's sources too.
@@ -29,11 +36,13 @@ def pytest_configure(config: pytest.Config) -> None:
 
 @pytest.hookimpl(trylast=True)  # after -m deselection, so torch loads only for selected gpu tests
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    if "bench" not in (config.getoption("markexpr") or ""):
-        skip_bench = pytest.mark.skip(reason="benchmark: run with -m bench")
-        for item in items:
-            if "bench" in item.keywords:
-                item.add_marker(skip_bench)
+    markexpr = config.getoption("markexpr") or ""
+    for tier, why in OPT_IN_TIERS.items():
+        if tier not in markexpr:
+            skip = pytest.mark.skip(reason=f"{why}: run with -m {tier}")
+            for item in items:
+                if tier in item.keywords:
+                    item.add_marker(skip)
     gpu_items = [item for item in items if "gpu" in item.keywords]
     if gpu_items and not _cuda_available():
         skip_gpu = pytest.mark.skip(reason="needs CUDA (torch.cuda.is_available() is False)")

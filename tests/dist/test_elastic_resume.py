@@ -19,7 +19,7 @@ import torch
 from distflow import sample_ids
 from tests.dist._jobs import run_job, tiny_job_spec
 
-pytestmark = [pytest.mark.dist, pytest.mark.timeout(1800)]
+pytestmark = [pytest.mark.dist, pytest.mark.chaos, pytest.mark.timeout(1800)]
 
 STEPS = {"totalSteps": 4}
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = [pytest.mark.dist, pytest.mark.timeout(1800)]
+pytestmark = [pytest.mark.dist, pytest.mark.bench, pytest.mark.timeout(1800)]
 
 REPO = Path(__file__).resolve().parents[2]
 
