@@ -31,6 +31,7 @@ model is the initial weights.
 from __future__ import annotations
 
 import errno
+import shutil
 import hashlib
 import json
 import os
@@ -157,9 +158,19 @@ def _set_rng_state(state: dict) -> None:
     np.random.set_state(state["numpy"])
 
 
+def _no_space_left(store: _Store) -> bool:
+    """A local checkpoint volume with under 1 MiB free: torch's writers report a full disk as a short
+    write ("unexpected pos ...") rather than ENOSPC."""
+    try:
+        return store.local and shutil.disk_usage(store.root).free < (1 << 20)
+    except OSError:
+        return False
+
+
 def _failure_message(store: _Store, step: int, err: BaseException | str) -> str:
     text = str(err)
-    full = (isinstance(err, OSError) and err.errno == errno.ENOSPC) or "No space left on device" in text
+    full = (isinstance(err, OSError) and err.errno == errno.ENOSPC) or "No space left on device" in text \
+        or _no_space_left(store)
     reason = "the disk is full (No space left on device)" if full else text.strip().splitlines()[-1][:300]
     done = sorted(s for n, s in store.step_dirs().items()
                   if not n.endswith(".tmp") and verify(store, n, checksums=False) is None)
@@ -314,5 +325,5 @@ def load_latest(root: str | os.PathLike, worker) -> int:
         print(f"distflow: the step-{meta['step']} checkpoint was written by {saved_world} workers and is "
               f"resharded onto {dist.get_world_size()}; the data stream continues at {meta['loader']}",
               flush=True)
-    worker.rollout.sync(worker.actor_model)
+    worker.rollout.sync(worker.actor.model)
     return int(meta["step"])
