@@ -12,7 +12,9 @@ checkpointing, and the same CPU threads in total:
   its group, the KV cache repeated for the n samples) and
   ``actor.sharePromptPrefix`` (log-prob and training forwards run each
   prompt once per micro-batch: one row [prompt, r_1..r_k] with a 4-D mask,
-  Prefix Grouper, arXiv 2506.05433), recorded in the settings;
+  Prefix Grouper, arXiv 2506.05433), and with ``actor.reshardAfterForward:
+  false`` (the weights the rollout all-gathers serve the update: one
+  all-gather per step instead of three), recorded in the settings;
 - TRL: one process x 2 threads (its documented single-process CPU setup),
   which processes each prompt once per sample (n times per group).
 
@@ -61,6 +63,9 @@ class Settings:
     """distflow only: ``rollout.sharePrefill``."""
     share_prompt_prefix: bool = True
     """distflow only: ``actor.sharePromptPrefix``."""
+    reshard_after_forward: bool = False
+    """distflow only: ``actor.reshardAfterForward``. False (ZeRO-2 style) keeps the weights the
+    rollout all-gathered through the update, as TRL's single process holds the whole model."""
 
 
 def _python() -> str:
@@ -84,7 +89,8 @@ def distflow_spec(s: Settings, log_dir: str) -> dict:
         "rollout": {"n": s.group_size, "temperature": 1.0, "topP": 1.0, "topK": 0,
                     "microBatchSize": s.prompts_per_step * s.group_size, "sharePrefill": s.share_prefill},
         "algorithm": {"advantageEstimator": "grpo", "useKlLoss": False, "lossAggMode": "token-mean"},
-        "actor": {"lr": s.lr, "microBatchSize": s.micro_batch_size, "sharePromptPrefix": s.share_prompt_prefix},
+        "actor": {"lr": s.lr, "microBatchSize": s.micro_batch_size, "sharePromptPrefix": s.share_prompt_prefix,
+                  "reshardAfterForward": s.reshard_after_forward},
         "cluster": {"numNodes": s.workers, "procsPerNode": 1, "device": "cpu"},
         "trainer": {"totalSteps": s.steps, "seed": s.seed, "logDir": log_dir,
                     "numThreads": max(1, s.threads // s.workers)},

@@ -162,7 +162,9 @@ class MemorySampler:
 
 
 def grpo_run(model_path: str, device: torch.device, workers: int, quick: bool, dtype: str) -> dict:
-    """2 GRPO steps through the local launcher; tokens/s, peak memory, all-gather bytes."""
+    """2 GRPO steps through the local launcher; tokens/s, peak memory, and the all-gather and
+    reduce-scatter bytes each step counted by the runtime (``perf/allgather_bytes``,
+    ``perf/reduce_scatter_bytes``: busiest rank)."""
     from distflow.launcher import launch_local
     from distflow.metrics import read_jsonl
     from distflow.spec import parse_spec
@@ -183,7 +185,8 @@ def grpo_run(model_path: str, device: torch.device, workers: int, quick: bool, d
         records = read_jsonl(Path(tmp) / "metrics.jsonl")
     wall = time.perf_counter() - start
     steps = [{k: v for k, v in r.items() if k in ("timing_s/step", "perf/throughput", "perf/total_num_tokens",
-                                                   "actor/grad_norm") or "gather" in k} for r in records]
+                                                   "actor/grad_norm") or "gather" in k or "scatter" in k or "sync" in k}
+                 for r in records]
     tokens = sum(r.get("perf/total_num_tokens", 0) for r in records)
     step_time = sum(r.get("timing_s/step", 0) for r in records)
     return {"model": model_path, "workers": workers, "dtype": dtype, "wall_seconds": wall, "steps": steps,
@@ -192,14 +195,15 @@ def grpo_run(model_path: str, device: torch.device, workers: int, quick: bool, d
 
 
 def weight_allgather_bytes(model_dir: Path, workers: int, gather_itemsize: int) -> dict:
-    """FSDP2 weight all-gather bytes of one forward + backward, per rank, from the parameter
-    count (each rank receives (N-1)/N of every parameter, twice: forward and backward re-gather)."""
+    """What FSDP2 should all-gather per rank in one forward + backward of the update with the
+    default layout (the full parameters twice: forward, then the backward's re-gather), from the
+    parameter count: the expectation beside the runtime's counted ``perf/allgather_bytes``."""
     config = json.loads((model_dir / "config.json").read_text())
     shape = (config["hidden_size"], config["intermediate_size"], config["num_hidden_layers"],
              config["num_attention_heads"], config.get("num_key_value_heads", config["num_attention_heads"]))
     params = llama_params(shape, config["vocab_size"])
     return {"parameters": params, "gather_itemsize": gather_itemsize,
-            "per_rank_bytes_per_update_pass": int(2 * params * gather_itemsize * (workers - 1) / workers)}
+            "expected_allgather_bytes_per_update_pass": int(2 * params * gather_itemsize)}
 
 
 def grpo(device: torch.device, quick: bool, budget) -> dict:

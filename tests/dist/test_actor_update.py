@@ -101,3 +101,67 @@ def test_rollout_on_the_unsharded_actor_matches_a_synced_copy():
         assert out["synced_bytes"] == out["nbytes"] > 0
         assert out["metrics"]["perf/weight_sync_bytes"] == 2 * out["nbytes"]  # summed over 2 ranks
         assert out["metrics"]["timing_s/weight_sync"] > 0
+
+
+def _rollout_then_update(rank, world):
+    """For each actor.reshardAfterForward: a rollout on the shared actor weights, then one
+    update (a sample per rank); the bytes each all-gathers, the tokens generated and the
+    parameters after the step."""
+    from torch.distributed.tensor import DTensor
+
+    from _collectives import counted_all_gathers
+    from distflow.engines import fsdp
+    from distflow.engines.actor import Actor
+    from distflow.engines.rollout import SamplingParams, generate
+    from distflow.metrics import StepMetrics
+    from distflow.models import load_causal_lm, resolve_model
+    from distflow.process_group import collective_bytes
+    from distflow.spec import parse_spec
+    from distflow.worker import model_cache_dir
+
+    out = {}
+    counter = collective_bytes()  # the runtime's own count, beside the test's
+    for reshard in (True, False):
+        spec = parse_spec({"model": {"path": "tiny"}, "data": {"train": {"path": "arithmetic"}, "trainBatchSize": 2},
+                           "actor": {"lr": 1e-2, "microBatchSize": 1, "reshardAfterForward": reshard},
+                           "algorithm": {"useKlLoss": False}})
+        torch.manual_seed(0)
+        model = fsdp.apply_fsdp(load_causal_lm(resolve_model("tiny", model_cache_dir())),
+                                fsdp.dp_mesh(torch.device("cpu"), world), reshard_after_forward=reshard)
+        weights = fsdp.RolloutWeights(model, keep_gathered=not reshard)
+        actor = Actor.build(spec, model, pad_token_id=0, dp_size=world, device=torch.device("cpu"))
+        params = SamplingParams(n=2, temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=4, micro_batch_size=4)
+        with counted_all_gathers() as rollout_calls:
+            with weights.policy() as policy:
+                gen = generate(policy, SimpleNamespace(pad_token_id=0, eos_token_id=2), [[5, 6, 7], [8, 9]],
+                               [0, 1], params, seed=3, device=torch.device("cpu"))
+        gathered, reduced = counter.all_gather, counter.reduce_scatter
+        with counted_all_gathers() as update_calls:
+            actor.update(_two_samples(), StepMetrics())
+        out[reshard] = {"counted_gather": counter.all_gather - gathered,
+                        "counted_reduce": counter.reduce_scatter - reduced,"tokens": gen.token_fields["input_ids"].clone(), "rollout_bytes": sum(rollout_calls),
+                        "update_bytes": sum(update_calls), "full_bytes": fsdp.unsharded_nbytes(model),
+                        "sharded_after": all(isinstance(p, DTensor) for p in model.parameters()),
+                        "params": {n: p.to_local().clone() for n, p in model.named_parameters()}}
+    return out
+
+
+@pytest.mark.timeout(600)
+def test_reshard_after_forward_false_gathers_once_per_step_with_identical_results():
+    """ZeRO-2 layout (actor.reshardAfterForward: false): the rollout's all-gather serves the
+    update; the step's parameters equal the default layout's bit for bit."""
+    for out in run_on_ranks(_rollout_then_update, 2, timeout_s=500):
+        base, kept = out[True], out[False]
+        assert torch.equal(base["tokens"], kept["tokens"])
+        assert base["params"].keys() == kept["params"].keys()
+        for name, value in base["params"].items():
+            assert torch.equal(value, kept["params"][name]), name
+        assert kept["sharded_after"] and base["sharded_after"]
+        full = kept["full_bytes"] // 2  # each rank sends its half of the full parameters
+        assert base["rollout_bytes"] == kept["rollout_bytes"] == full
+        assert kept["update_bytes"] == 0  # the rollout's gather is reused until the step
+        # default: the rank's micro-batch gathers the layers for its forward and again for its backward
+        assert base["update_bytes"] > 1.9 * full, (base["update_bytes"], full)
+        # the runtime's counter: full gathered outputs (the world's inputs), full fp32 gradients reduced
+        assert base["counted_gather"] == 2 * base["update_bytes"] and kept["counted_gather"] == 0
+        assert base["counted_reduce"] == kept["counted_reduce"] == kept["full_bytes"]

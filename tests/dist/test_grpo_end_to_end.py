@@ -31,10 +31,16 @@ def _run(spec, name="job", **kw):
 
 @pytest.mark.parametrize("share", [True, False], ids=["prompt-groups", "single-samples"])
 def test_centralized_and_distributed_give_identical_parameters(tmp_path, share):
-    """With shared prompt prefixes the balancer moves whole groups; without, single samples."""
+    """With shared prompt prefixes the balancer moves whole groups; without, single samples.
+
+    The centralized run with shared prefixes also keeps the actor's weights gathered from the
+    rollout through the update (``actor.reshardAfterForward: false``): the same parameters,
+    fewer all-gathered bytes (both counted by the runtime).
+    """
     actor = {"sharePromptPrefix": share}
     dist_params, dist_log = _run(_spec(tmp_path, "distributed", actor=actor))
-    cent_params, cent_log = _run(_spec(tmp_path, "centralized", dataPlane={"mode": "centralized"}, actor=actor))
+    held = {**actor, "reshardAfterForward": not share}
+    cent_params, cent_log = _run(_spec(tmp_path, "centralized", dataPlane={"mode": "centralized"}, actor=held))
     assert dist_params.keys() == cent_params.keys()
     for k in dist_params:
         assert torch.equal(dist_params[k], cent_params[k]), k
@@ -44,6 +50,14 @@ def test_centralized_and_distributed_give_identical_parameters(tmp_path, share):
     assert sum(r["data/busiest_rank_bytes"] for r in dist_log) > 0
     assert sum(r["data/busiest_rank_bytes"] for r in cent_log) > sum(r["data/busiest_rank_bytes"] for r in dist_log)
     assert [r["critic/score/mean"] for r in dist_log] == [r["critic/score/mean"] for r in cent_log]
+    # FSDP2's collectives, counted: every step gathers weights and reduces gradients; the held
+    # layout skips the update's gathers (the reference model's remain).
+    for dist_step, cent_step in zip(dist_log, cent_log):
+        assert dist_step["perf/reduce_scatter_bytes"] == cent_step["perf/reduce_scatter_bytes"] > 0
+        if share:
+            assert 0 < cent_step["perf/allgather_bytes"] < dist_step["perf/allgather_bytes"]
+        else:
+            assert dist_step["perf/allgather_bytes"] == cent_step["perf/allgather_bytes"] > 0
 
 
 def test_resume_after_kill_matches_uninterrupted_run(tmp_path):

@@ -9,26 +9,11 @@ pytestmark = [pytest.mark.dist, pytest.mark.timeout(900)]
 
 
 def _forward_gathered_bytes(model, input_ids) -> tuple[int, torch.dtype]:
-    """(bytes this rank all-gathers in one forward, the logits' dtype), counted by wrapping
-    torch.distributed's all-gathers (FSDP2 calls one of them by module attribute)."""
-    import torch.distributed as dist
+    """(bytes this rank all-gathers in one forward, the logits' dtype)."""
+    from _collectives import counted_all_gathers
 
-    calls, originals = [], {}
-    for name in ("all_gather_into_tensor", "all_gather_single"):
-        if hasattr(dist, name):
-            originals[name] = getattr(dist, name)
-
-            def counted(output, input, *args, _original=originals[name], **kwargs):
-                calls.append(input.numel() * input.element_size())
-                return _original(output, input, *args, **kwargs)
-
-            setattr(dist, name, counted)
-    try:
-        with torch.no_grad():
-            dtype = model(input_ids=input_ids).logits.dtype
-    finally:
-        for name, original in originals.items():
-            setattr(dist, name, original)
+    with counted_all_gathers() as calls, torch.no_grad():
+        dtype = model(input_ids=input_ids).logits.dtype
     return sum(calls), dtype
 
 

@@ -59,3 +59,55 @@ def init(device: torch.device, init_method: str, rank: int, world_size: int) -> 
     """Create the world group for workers on ``device`` (``backend_for(device.type)``)."""
     dist.init_process_group(backend_for(device.type), init_method=init_method, rank=rank,
                             world_size=world_size)
+
+
+class CollectiveBytes:
+    """Bytes of the all-gathers and reduce-scatters this process has run (FSDP2's weight
+    gathers and gradient reductions, and any other caller's), counted at the call.
+
+    ``all_gather``: bytes of the gathered outputs (the full tensors, in the dtype they were
+    gathered in); ``reduce_scatter``: bytes of the reduced inputs (the full gradients).
+    Monotonic; take differences around the work to measure.
+    """
+
+    def __init__(self) -> None:
+        self.all_gather = 0
+        self.reduce_scatter = 0
+
+
+_COUNTER: CollectiveBytes | None = None
+# torch.distributed's names for the two collectives across versions (FSDP2 calls them through
+# the module attribute, so the wrapper sees every call; each alias calls distributed_c10d's
+# function directly, so no call is counted twice).
+_ALL_GATHERS = ("all_gather_into_tensor", "all_gather_single")
+_REDUCE_SCATTERS = ("reduce_scatter_tensor", "reduce_scatter_single")
+
+
+def collective_bytes() -> CollectiveBytes:
+    """The process's counter, installing the counting wrappers on first use (idempotent)."""
+    global _COUNTER
+    if _COUNTER is None:
+        counter = CollectiveBytes()
+        for name in _ALL_GATHERS + _REDUCE_SCATTERS:
+            original = getattr(dist, name, None)
+            if original is not None:
+                setattr(dist, name, _counting(original, counter, name in _ALL_GATHERS))
+        _COUNTER = counter
+    return _COUNTER
+
+
+def _counting(original, counter: CollectiveBytes, gather: bool):
+    import functools
+
+    @functools.wraps(original)
+    def counted(*args, **kwargs):
+        # (output, input, ...) positionally, or by keyword: output(_tensor)=, input(_tensor)=
+        if gather:
+            out = args[0] if args else kwargs.get("output_tensor", kwargs.get("output"))
+            counter.all_gather += out.numel() * out.element_size()
+        else:
+            inp = args[1] if len(args) > 1 else kwargs.get("input_tensor", kwargs.get("input"))
+            counter.reduce_scatter += inp.numel() * inp.element_size()
+        return original(*args, **kwargs)
+
+    return counted

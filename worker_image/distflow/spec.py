@@ -285,6 +285,14 @@ class ActorSpec(_Spec):
     consecutive sequences whose left-padded forward, count x longest, stays within this many
     tokens (a longer sequence goes alone); microBatchSize is then ignored. Used by the actor
     update and the old and reference log-prob passes. The loss and step are the same either way."""
+    reshard_after_forward: bool = True
+    """FSDP2's reshard_after_forward for the actor's decoder layers (verl's
+    actor.fsdp_config.reshard_after_forward). false (ZeRO-2 style): the full parameters, in the
+    compute dtype, stay gathered from the rollout (shared weights) or the first forward through
+    every micro-batch's forward and backward until the optimizer step: one all-gather per
+    optimizer step instead of one per rollout plus two per micro-batch, for the memory of one
+    full copy of the parameters during the update. Same results bit for bit; worth it where the
+    all-gathers are slow next to the compute (CPU gloo, small models, few GPUs)."""
     share_prompt_prefix: bool = True
     """Run each prompt once per micro-batch in the actor update and the old and reference
     log-prob passes: responses of one prompt share a row [prompt, r_1, ..., r_k] whose attention

@@ -165,7 +165,8 @@ class DagWorker:
             copy = load_causal_lm(env.model_dir, compute).to(self.device).eval()
         # float32 master weights whatever model.dtype says: AdamW steps them (FSDP2 mixed precision).
         self.actor_model = load_sharded_causal_lm(env.model_dir, mesh, self.device, torch.float32, compute,
-                                                  spec.model.gradient_checkpointing)
+                                                  spec.model.gradient_checkpointing,
+                                                  spec.actor.reshard_after_forward)
         self.rollout = self._build_rollout(copy, compute)
         self.actor = Actor.build(spec, self.actor_model, self.tokenizer.pad_token_id,
                                  env.world_size, self.device)
@@ -180,8 +181,9 @@ class DagWorker:
         """The rollout engine: hf on the actor's weights (or ``copy``), or a colocated vLLM engine."""
         spec, env = self.spec, self.env
         if spec.rollout.engine == "hf":
-            return HfRollout(fsdp.RolloutWeights(self.actor_model, copy, compute_dtype), self.tokenizer,
-                             self.device)
+            weights = fsdp.RolloutWeights(self.actor_model, copy, compute_dtype,
+                                          keep_gathered=not spec.actor.reshard_after_forward)
+            return HfRollout(weights, self.tokenizer, self.device)
         from distflow.engines.vllm_rollout import VllmRollout, vllm_config
 
         return VllmRollout.build(vllm_config(spec, env.model_dir, self.device.type), self.tokenizer,
@@ -273,6 +275,8 @@ class DagWorker:
         sent_before = dict(self.counters.bytes_sent)
         hits_before = sum(self.counters.cache_hits.values())
         exchanges_before = sum(self.counters.exchanges.values())
+        collectives = process_group.collective_bytes()
+        gathered, reduced = collectives.all_gather, collectives.reduce_scatter
         start = time.perf_counter()
         for node in self.plan.chain:
             with self.metrics.timer(node.id):
@@ -290,6 +294,9 @@ class DagWorker:
         self.metrics.add_sum("data/cache_hits", sum(self.counters.cache_hits.values()) - hits_before)
         self.metrics.add_sum("data/exchanges", sum(self.counters.exchanges.values()) - exchanges_before)
         self.metrics.add_max("timing_s/step", time.perf_counter() - start)
+        # FSDP2's weight all-gathers and gradient reduce-scatters this step, counted (busiest rank)
+        self.metrics.add_max("perf/allgather_bytes", collectives.all_gather - gathered)
+        self.metrics.add_max("perf/reduce_scatter_bytes", collectives.reduce_scatter - reduced)
         out = self.metrics.reduce(self.device)
         busiest, node_bytes = self._transfer_stats(step_sent)
         out.update(busiest)
@@ -371,6 +378,7 @@ class DagWorker:
             save_every = spec.checkpoint.save_every_steps
             if spec.checkpoint.dir and (self.step == spec.trainer.total_steps or
                                         (save_every and self.step % save_every == 0)):
+                fsdp.release_unsharded(self.actor_model)  # an evaluation may have left them gathered
                 checkpoint.save(spec.checkpoint.dir, self.step, self, spec.checkpoint.keep_last)
                 if self.exporter is not None:
                     self.exporter.observe_checkpoint(self.step)

@@ -127,14 +127,24 @@ class Actor:
         per_mini = -(-batch.num_samples // num_minis)
         num_steps = a.ppo_epochs * num_minis
         self.model.train()
+        hold = not a.reshard_after_forward
         for _ in range(a.ppo_epochs):
             for m in range(num_minis):
                 part = batch.select(range(m * per_mini, min(batch.num_samples, (m + 1) * per_mini)))
-                self._optimizer_step(part, on_policy, metrics, num_steps)
+                self._optimizer_step(part, on_policy, metrics, num_steps, hold)
 
-    def _optimizer_step(self, part: PackedBatch, on_policy: bool, metrics, num_steps: int) -> None:
+    def _optimizer_step(self, part: PackedBatch, on_policy: bool, metrics, num_steps: int, hold: bool) -> None:
+        """Forward/backward over ``part``'s micro-batches, then one clipped AdamW step.
+
+        With ``hold`` (``actor.reshardAfterForward: false``) the full parameters are gathered
+        once (or kept from the rollout, which generated with these same weights) for all the
+        micro-batches' forwards and backwards and released before the step: one all-gather per
+        optimizer step instead of two per micro-batch. Same gradients, bit for bit.
+        """
         norm = self._global_counts(part)
         a = self.spec.actor
+        if hold:
+            fsdp.hold_unsharded(self.model)
         for chunk in model_ops.split_micro_batches(part, a.micro_batch_size, a.max_tokens_per_micro_batch):
             mb = model_ops.collate(chunk, self.pad_token_id, a.share_prompt_prefix)
             loss, stats, ntok = self._micro_loss(mb, norm, on_policy)
@@ -146,6 +156,8 @@ class Actor:
                     metrics.add_max(k, float(v))
                 else:
                     metrics.add_mean(k, float(v) * ntok, ntok)
+        if hold:
+            fsdp.release_unsharded(self.model)  # the step and the clip read the sharded parameters
         grad_norm = fsdp.grad_norm_and_clip(self.model, a.grad_clip)
         if torch.isfinite(torch.tensor(grad_norm)):
             self.optimizer.step()

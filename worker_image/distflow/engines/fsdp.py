@@ -31,7 +31,7 @@ from torch.distributed.tensor import DTensor
 
 
 from distflow.engines.model_ops import eval_mode
-from distflow.process_group import backend_for
+from distflow.process_group import backend_for, collective_bytes
 
 
 @dataclass(frozen=True)
@@ -73,17 +73,22 @@ def _decoder_layers(model) -> list[torch.nn.Module]:
 
 
 def apply_fsdp(model: torch.nn.Module, mesh: DeviceMesh,
-               compute_dtype: torch.dtype | None = None) -> torch.nn.Module:
+               compute_dtype: torch.dtype | None = None, reshard_after_forward: bool = True) -> torch.nn.Module:
     """Shard each decoder layer, then the root (FSDP2). Returns the same module.
 
     Args:
         compute_dtype: dtype of the all-gathered parameters and of the forward
             and backward (None: the parameters' own); gradients are reduced in float32.
+        reshard_after_forward: as FSDP2's argument, for the decoder layers (the root
+            never reshards after forward). False is the ZeRO-2 layout: a layer's full
+            parameters stay gathered from its forward through its backward, and
+            ``hold_unsharded`` keeps them from the rollout to the optimizer step.
     """
     policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
     for layer in _decoder_layers(model):
-        fully_shard(layer, mesh=mesh, mp_policy=policy)
+        fully_shard(layer, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
     fully_shard(model, mesh=mesh, mp_policy=policy)
+    model._distflow_reshard_after_forward = reshard_after_forward
     return model
 
 
@@ -116,30 +121,62 @@ def _fsdp_modules(model: torch.nn.Module) -> list[FSDPModule]:
     return [m for m in model.modules() if isinstance(m, FSDPModule)]
 
 
+def _restore_reshard_settings(model: torch.nn.Module, units: list[FSDPModule]) -> None:
+    """Back to ``apply_fsdp``'s settings: layers as configured, the root never after forward."""
+    layers = getattr(model, "_distflow_reshard_after_forward", True)
+    for unit in units:
+        unit.set_reshard_after_forward(layers and unit is not model, recurse=False)
+        unit.set_reshard_after_backward(True, recurse=False)
+
+
+def hold_unsharded(model: torch.nn.Module) -> None:
+    """All-gather every FSDP unit's parameters (a no-op for units already gathered) and keep
+    them gathered through any number of forwards and backwards until ``release_unsharded``.
+
+    Used between a rollout and the optimizer step that follows it (the parameters do not
+    change in between), so the rollout's one all-gather per unit also serves the log-prob
+    passes and the update's forwards and backwards. Costs the full parameters in the
+    compute dtype (bytes: ``unsharded_nbytes(model, compute_dtype)``) for that time.
+    """
+    for unit in _fsdp_modules(model):
+        unit.set_reshard_after_forward(False, recurse=False)
+        unit.set_reshard_after_backward(False, recurse=False)
+        unit.unshard()
+
+
+def release_unsharded(model: torch.nn.Module) -> None:
+    """Free the gathered parameters (``hold_unsharded``, or any left by a forward) and go
+    back to ``apply_fsdp``'s settings. Must precede ``optimizer.step``, gradient clipping
+    and checkpointing, which read the sharded parameters. Idempotent."""
+    units = _fsdp_modules(model)
+    for unit in units:
+        unit.reshard()
+    _restore_reshard_settings(model, units)
+
+
 @contextmanager
-def unsharded(model: torch.nn.Module) -> Iterator[torch.nn.Module]:
+def unsharded(model: torch.nn.Module, keep: bool = False) -> Iterator[torch.nn.Module]:
     """``model`` (FSDP2, as ``apply_fsdp`` built it) with full parameters inside the block.
 
     Every FSDP unit all-gathers its parameters once on entry and keeps them
     through any number of forwards (``set_reshard_after_forward(False)``,
     FSDP2's setting for evaluation), then reshards on exit and goes back to
-    ``apply_fsdp``'s setting: decoder layers reshard after forward, the root
-    does not. For inference only (no backward inside the block). A module
-    without FSDP units is yielded as is.
+    ``apply_fsdp``'s settings. With ``keep`` they stay gathered after the
+    block (``hold_unsharded``) until ``release_unsharded``. For inference only
+    (no backward inside the block). A module without FSDP units is yielded as is.
     """
     units = _fsdp_modules(model)
     if not units:
         yield model
         return
-    for unit in units:
-        unit.set_reshard_after_forward(False, recurse=False)
-        unit.unshard()
+    hold_unsharded(model)
     try:
         yield model
-    finally:
-        for unit in units:
-            unit.reshard()
-            unit.set_reshard_after_forward(unit is not model, recurse=False)
+    except BaseException:
+        release_unsharded(model)
+        raise
+    if not keep:
+        release_unsharded(model)
 
 
 def unsharded_nbytes(model: torch.nn.Module, dtype: torch.dtype | None = None) -> int:
@@ -159,11 +196,14 @@ class RolloutWeights:
     """
 
     def __init__(self, actor_model: torch.nn.Module, copy: torch.nn.Module | None = None,
-                 compute_dtype: torch.dtype | None = None) -> None:
+                 compute_dtype: torch.dtype | None = None, keep_gathered: bool = False) -> None:
         self.actor_model = actor_model
         self.copy = copy
         self.compute_dtype = compute_dtype
         """The dtype ``apply_fsdp`` gave the actor: what the shared weights are gathered in."""
+        self.keep_gathered = keep_gathered
+        """Shared weights stay gathered after the rollout for the passes and the update that
+        follow (``actor.reshardAfterForward: false``); the actor's optimizer step releases them."""
 
     @property
     def shared(self) -> bool:
@@ -174,18 +214,20 @@ class RolloutWeights:
         """The model to call ``generate`` on inside the block, in eval mode.
 
         Shared weights are all-gathered on entry; with ``metrics`` that costs
-        ``timing_s/weight_sync`` and ``perf/weight_sync_bytes`` (bytes
-        all-gathered by this rank).
+        ``timing_s/weight_sync`` and ``perf/weight_sync_bytes`` (bytes of the
+        full weights this rank all-gathered, counted).
         """
         if not self.shared:
             yield self.copy
             return
+        counter = collective_bytes()
         with ExitStack() as stack:
             stack.enter_context(eval_mode(self.actor_model))
+            before = counter.all_gather
             with metrics.timer("weight_sync") if metrics is not None else nullcontext():
-                model = stack.enter_context(unsharded(self.actor_model))
-            if metrics is not None:
-                metrics.add_sum("perf/weight_sync_bytes", unsharded_nbytes(self.actor_model, self.compute_dtype))
+                model = stack.enter_context(unsharded(self.actor_model, keep=self.keep_gathered))
+            if metrics is not None:  # counted: 0 when they were still gathered from before
+                metrics.add_sum("perf/weight_sync_bytes", counter.all_gather - before)
             yield model
 
     def sync(self) -> int:

@@ -81,13 +81,15 @@ def _fill_shards(model: torch.nn.Module, model_dir: Path, mesh: DeviceMesh) -> N
 
 def load_sharded_causal_lm(model_dir: str | os.PathLike, mesh: DeviceMesh, device: torch.device,
                            dtype: torch.dtype, compute_dtype: torch.dtype | None = None,
-                           gradient_checkpointing: bool = False) -> torch.nn.Module:
+                           gradient_checkpointing: bool = False,
+                           reshard_after_forward: bool = True) -> torch.nn.Module:
     """The causal LM in ``model_dir`` under FSDP2 over ``mesh``, this rank's shards only.
 
     Args:
         dtype: dtype of the sharded (master) parameters.
         compute_dtype: the all-gather and compute dtype (``apply_fsdp``).
         gradient_checkpointing: enable it before sharding (for a trained model).
+        reshard_after_forward: the decoder layers' FSDP2 setting (``apply_fsdp``).
 
     Returns:
         The model, its parameters equal bit for bit to ``from_pretrained(model_dir, dtype=dtype)``'s.
@@ -106,7 +108,7 @@ def load_sharded_causal_lm(model_dir: str | os.PathLike, mesh: DeviceMesh, devic
     if gradient_checkpointing:
         model.gradient_checkpointing_enable()
     buffers = {name: buf.clone() for name, buf in model.named_buffers()}
-    apply_fsdp(model, mesh, compute_dtype)
+    apply_fsdp(model, mesh, compute_dtype, reshard_after_forward)
     model.to_empty(device=device)  # allocates the shards; buffers come back empty, so refill them
     with torch.no_grad():
         for name, buf in model.named_buffers():
