@@ -74,7 +74,6 @@ def run_reward(worker, node: PlannedNode) -> None:
     worker.metrics.add_mean("critic/score/mean", scores.double().sum(), scores.numel())
     worker.metrics.add_max("critic/score/max", scores.max())
     worker.metrics.add_min("critic/score/min", scores.min())
-    worker.last_texts = texts[: worker.spec.rollout.n]
 
 
 def run_advantage(worker, node: PlannedNode) -> None:
