@@ -105,8 +105,8 @@ def test_rollout_on_the_unsharded_actor_matches_a_synced_copy():
 
 def _rollout_then_update(rank, world):
     """For each actor.reshardAfterForward: a rollout on the shared actor weights, then one
-    update (a sample per rank); the bytes each all-gathers, the tokens generated and the
-    parameters after the step."""
+    update (both samples on each rank, a micro-batch each); the bytes each all-gathers, the
+    tokens generated and the parameters after the step."""
     from torch.distributed.tensor import DTensor
 
     from _collectives import counted_all_gathers
@@ -160,8 +160,9 @@ def test_reshard_after_forward_false_gathers_once_per_step_with_identical_result
         full = kept["full_bytes"] // 2  # each rank sends its half of the full parameters
         assert base["rollout_bytes"] == kept["rollout_bytes"] == full
         assert kept["update_bytes"] == 0  # the rollout's gather is reused until the step
-        # default: the rank's micro-batch gathers the layers for its forward and again for its backward
+        # default: each micro-batch gathers the layers for its forward and again for its backward
         assert base["update_bytes"] > 1.9 * full, (base["update_bytes"], full)
-        # the runtime's counter: full gathered outputs (the world's inputs), full fp32 gradients reduced
+        # the runtime's counter: full gathered outputs (the world's inputs); the full fp32 gradients
+        # reduced once per micro-batch (each rank trains both samples: 2 micro-batches of 1)
         assert base["counted_gather"] == 2 * base["update_bytes"] and kept["counted_gather"] == 0
-        assert base["counted_reduce"] == kept["counted_reduce"] == kept["full_bytes"]
+        assert base["counted_reduce"] == kept["counted_reduce"] == 2 * kept["full_bytes"]
