@@ -22,6 +22,15 @@ def test_vllm_engine_with_tp_within_a_node_is_accepted():
     assert spec.rollout.tis_imp_ratio_cap == 2.0 and spec.rollout.weight_sync_bucket_mb == 64
 
 
+def test_the_engine_generates_in_the_compute_dtype():
+    from distflow.engines.vllm_rollout import vllm_config
+
+    mixed = JobSpec.model_validate({"model": {"path": "smollm2", "mixedPrecision": "bfloat16"},
+                                    "data": {"train": {"path": "arithmetic"}}, "rollout": {"engine": "vllm"}})
+    assert vllm_config(mixed, "m", "cuda").dtype == "bfloat16"  # master weights stay float32
+    assert vllm_config(_spec(engine="vllm"), "m", "cpu").dtype == "float32"
+
+
 def test_tp_that_does_not_divide_a_nodes_workers_is_rejected_naming_the_field():
     # 4 workers in all (tp 4 divides them) but 2 per node: a replica would span nodes.
     with pytest.raises(ValueError, match=r"rollout.tensorParallelSize: 4 does not divide the 2 workers of a node"):

@@ -1,9 +1,11 @@
 """GRPO with ``rollout.engine: vllm`` on 2 local workers learns the quickstart task.
 
-The quickstart (SmolLM2, small-number arithmetic, 2 workers) shortened to 8 steps: the held-out
-score (48 prompts, mean@4 at a fixed seed) after training is above the score before, every step
-synced the engine (timing_s/weight_sync > 0, the model's bytes), and the engine's log-probs stay
-close to the actor's (rollout/actor_logp_diff/mean small: bf16 autocast in the actor, fp32 engine).
+The quickstart (SmolLM2, small-number arithmetic, 2 workers) shortened to 8 steps, in float32
+(model.mixedPrecision none: actor and engine compute alike): the held-out score (48 prompts, mean@4
+at a fixed seed) after training is above the score before, every step synced the engine
+(timing_s/weight_sync > 0, the model's bytes), and the engine's log-probs stay close to the actor's
+(rollout/actor_logp_diff/mean < 0.01 nats per token; with the quickstart's bf16 actor against a
+float32 engine it measured 0.03-0.08).
 """
 
 import pytest
@@ -20,7 +22,7 @@ STEPS = 8
 def test_two_worker_grpo_with_vllm_rollout_learns_the_quickstart_task(tmp_path):
     rows = run_quickstart(tmp_path / "grpo", [
         "rollout.engine=vllm", f"trainer.totalSteps={STEPS}", f"trainer.evalEverySteps={STEPS}",
-        "actor.lr=5e-5"])
+        "actor.lr=5e-5", "model.mixedPrecision=none"])
     steps = [r for r in rows if r.get("training/step", 0) >= 1]
     assert len(steps) == STEPS
     before = next(r["eval/score"] for r in rows if r.get("training/step") == 0)
@@ -28,4 +30,4 @@ def test_two_worker_grpo_with_vllm_rollout_learns_the_quickstart_task(tmp_path):
     assert after > before + 0.05, (before, after)
     assert all(r["timing_s/weight_sync"] > 0 for r in steps)
     assert all(r["perf/weight_sync_bytes"] > 4 * 100e6 for r in steps)  # >= 100M fp32 parameters, per rank summed
-    assert all(r["rollout/actor_logp_diff/mean"] < 0.05 for r in steps), [r["rollout/actor_logp_diff/mean"] for r in steps]
+    assert all(r["rollout/actor_logp_diff/mean"] < 0.01 for r in steps), [r["rollout/actor_logp_diff/mean"] for r in steps]

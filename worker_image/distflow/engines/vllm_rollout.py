@@ -67,8 +67,9 @@ _WAKE_TAGS = ("weights", "kv_cache", "scheduling")
 
 
 def vllm_config(spec, model_dir: str, device_type: str) -> VllmConfig:
-    """The engine's settings from a JobSpec."""
-    return VllmConfig(model_dir=model_dir, dtype=spec.model.dtype,
+    """The engine's settings from a JobSpec. The engine generates in the compute dtype
+    (``model.mixedPrecision``, else ``model.dtype``), as the hf rollout does."""
+    return VllmConfig(model_dir=model_dir, dtype=spec.model.compute_dtype,
                       tensor_parallel_size=spec.rollout.tensor_parallel_size,
                       max_model_len=spec.data.max_prompt_length + spec.data.max_response_length,
                       seed=spec.trainer.seed, device_type=device_type,
