@@ -115,6 +115,15 @@ def test_cleanup_step_removes_only_that_step(node_buffer):
     assert not node_buffer.directory.exists()
 
 
+def test_every_worker_of_a_node_may_clean_up(tmp_path):
+    """Each worker of a node closes on its own; the second cleanup finds the directory gone."""
+    first, second = (NodeBuffer(job_id="job", node_rank=0, root=tmp_path) for _ in range(2))
+    first.publish(0, "e", 0, 1, torch.ones(8, dtype=torch.uint8))
+    first.cleanup()
+    second.cleanup()
+    assert not first.directory.exists() and first.directory == second.directory
+
+
 def test_publish_rejects_non_bytes(node_buffer):
     with pytest.raises(ValueError, match="uint8"):
         node_buffer.publish(0, "e", 0, 1, torch.ones(4))

@@ -12,13 +12,16 @@ trained on equals the uninterrupted run's (no sample lost, none trained twice).
 Default suite: two trials (a worker killed mid-checkpoint, the launcher
 killed in an optimizer step). ``DISTFLOW_CHAOS_TRIALS=20`` runs 20 seeded
 trials (``DISTFLOW_CHAOS_SEED``, default 0) that cycle through every event
-kind and both targets. Either way a summary line with the figures is printed.
+kind and both targets. ``DISTFLOW_CHAOS_BUDGET_S`` stops starting trials once
+that many seconds have passed (the trials run are then the first ones drawn).
+Either way a summary line with the figures is printed.
 """
 
 from __future__ import annotations
 
 import os
 import re
+import time
 from collections import Counter
 
 import pytest
@@ -72,8 +75,12 @@ def _run_trial(trial: Trial, job_dir) -> None:
 def test_killed_runs_resume_and_lose_nothing(reference, tmp_path):
     ref_state, ref_ids, tally = reference
     trials = _trials(tally)
-    results = []
+    budget_s = float(os.environ.get("DISTFLOW_CHAOS_BUDGET_S", "inf"))
+    start, results = time.monotonic(), []
     for i, trial in enumerate(trials):
+        if time.monotonic() - start > budget_s:
+            print(f"chaos: time budget of {budget_s:.0f} s spent after {i} trials", flush=True)
+            break
         job_dir = tmp_path / f"trial{i:02d}"
         _run_trial(trial, job_dir)
         spec = tiny_job_spec(job_dir, "job", **JOB)
@@ -86,8 +93,9 @@ def test_killed_runs_resume_and_lose_nothing(reference, tmp_path):
         results.append(dict(trial=trial.chaos, killed=trial.attempts[0].returncode != 0, finished=finished,
                             identical=identical, same_steps=same_steps, resumed=resumed, skipped=skipped,
                             runs=len(trial.attempts)))
-        print(f"chaos trial {i}: {results[-1]}", flush=True)
-    _print_summary(trials, results, len(ref_ids))
+        print(f"chaos trial {i} ({time.monotonic() - start:.0f} s): {results[-1]}", flush=True)
+    _print_summary(trials, results, len(ref_ids))  # zip: the trials run
+    assert results, "no trial ran (DISTFLOW_CHAOS_BUDGET_S too small?)"
     for trial, result in zip(trials, results):
         assert result["killed"], f"{trial.chaos}: the kill did not happen (exit 0)"
         assert result["finished"] and result["runs"] == 2, \
@@ -98,9 +106,10 @@ def test_killed_runs_resume_and_lose_nothing(reference, tmp_path):
 
 def _print_summary(trials: list[Trial], results: list[dict], num_steps: int) -> None:
     survived = sum(r["finished"] for r in results)
-    moments = Counter(f"{t.target}@{t.event}" for t in trials)
+    moments = Counter(f"{t.target}@{t.event}" for t, _ in zip(trials, results))
     resumed = Counter(r["resumed"][-1] if r["resumed"] else "0" for r in results)
-    print(f"\nchaos summary: {survived}/{len(results)} trials survived "
+    print(f"\nchaos summary: {survived}/{len(results)} trials survived ({len(results)} of {len(trials)} drawn run; "
+          f"seed {os.environ.get('DISTFLOW_CHAOS_SEED', '0')}) "
           f"(killed {sum(r['killed'] for r in results)}; {dict(sorted(moments.items()))}); "
           f"final parameters+optimizer bit-identical {sum(r['identical'] for r in results)}/{len(results)}; "
           f"trained-id sets equal {sum(r['same_steps'] for r in results)}/{num_steps * len(results)} steps; "

@@ -22,10 +22,11 @@ previous one is tried. Every rank then loads the chosen one. The model and
 optimizer are resharded by torch.distributed.checkpoint, so a checkpoint
 written by N workers loads on M; the dataloader state is global (see
 ``distflow.data.loader``). Per-rank RNG state is restored only at the same
-world size (rollout sampling is seeded per step, so nothing depends on it
-across sizes). A separate rollout copy (``rollout.shareActorWeights:
-false``) is not saved: it is re-synced from the actor on load; the reference
-model is the initial weights.
+world size; what the run samples does not depend on it across sizes:
+rollout sampling is seeded per global sample (``distflow.engines.rollout``).
+A separate rollout copy (``rollout.shareActorWeights: false``) is not saved:
+it is re-synced from the actor on load; the reference model is the initial
+weights.
 """
 
 from __future__ import annotations

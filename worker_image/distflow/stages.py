@@ -27,7 +27,7 @@ import torch
 from distflow.algorithms import AdvantageInputs, AdvantageParams, get_advantage_fn
 from distflow.data.batch import PackedBatch
 from distflow.engines import model_ops
-from distflow.engines.rollout import SamplingParams, render_prompts, response_texts
+from distflow.engines.rollout import SamplingParams, render_prompts, response_texts, step_seed
 from distflow.planner import PlannedNode
 from distflow.rewards import compute_scores
 
@@ -43,8 +43,8 @@ def run_rollout(worker, node: PlannedNode) -> None:
     params = SamplingParams(spec.rollout.n, spec.rollout.temperature, spec.rollout.top_p,
                             spec.rollout.top_k, spec.data.max_response_length,
                             spec.rollout.micro_batch_size, share_prefill=spec.rollout.share_prefill)
-    seed = hash((spec.trainer.seed, worker.step, worker.rollout_dp_rank)) & 0x7FFFFFFF
-    batch = worker.rollout.generate(prompts, group_index, params, seed, worker.metrics)
+    batch = worker.rollout.generate(prompts, group_index, params, step_seed(spec.trainer.seed, worker.step),
+                                    worker.metrics)
     worker.coordinator.produce(node.id, batch)
     resp = batch.sample_fields["response_len"].double()
     worker.metrics.add_mean("response_length/mean", resp.sum(), resp.numel())

@@ -31,7 +31,7 @@ from distflow.algorithms import (
 from distflow.data.batch import PackedBatch
 from distflow.data.exchange import allgather_lengths
 from distflow.engines import model_ops
-from distflow.engines.rollout import SamplingParams, render_prompts, response_texts
+from distflow.engines.rollout import SamplingParams, render_prompts, response_texts, step_seed
 from distflow.planner import PlannedNode
 from distflow.rewards import compute_scores
 from distflow.spec import KLControlSpec
@@ -187,8 +187,8 @@ def _generate_round(worker, rnd: int) -> PackedBatch:
     params = SamplingParams(spec.rollout.n, spec.rollout.temperature, spec.rollout.top_p, spec.rollout.top_k,
                             spec.data.max_response_length, spec.rollout.micro_batch_size,
                             share_prefill=spec.rollout.share_prefill)
-    seed = hash((spec.trainer.seed, worker.step, worker.rollout_dp_rank, rnd)) & 0x7FFFFFFF
-    batch = worker.rollout.generate(prompts, group_index, params, seed, worker.metrics)
+    batch = worker.rollout.generate(prompts, group_index, params, step_seed(spec.trainer.seed, worker.step, rnd),
+                                    worker.metrics)
     record_of = dict(zip(group_index, records))
     texts = response_texts(worker.tokenizer, batch)
     groups = batch.sample_fields["group_index"].tolist()

@@ -229,10 +229,14 @@ class NodeBuffer:
             leftover.unlink(missing_ok=True)
 
     def cleanup(self) -> None:
-        """Remove the whole node directory (call from one process of the node, at the end)."""
+        """Remove the whole node directory at the end. Every worker of the node calls it (each
+        closes on its own), so whichever comes second finds the files, or the directory, gone."""
         for leftover in self.directory.glob("*"):
             leftover.unlink(missing_ok=True)
-        self.directory.rmdir()
+        try:
+            self.directory.rmdir()
+        except FileNotFoundError:
+            pass
 
     @staticmethod
     def _tmp(final: Path) -> Path:

@@ -11,8 +11,12 @@ fields span prompt + response:
 and whose sample fields are ``prompt_len``, ``response_len``, ``group_index``
 (global prompt index in the step) [B] int64.
 
-Sampling is seeded per (seed, step, dp rank), so a run is reproducible on the
-same layout; a different dp size samples different responses.
+Sampling is seeded per global sample: response ``j`` of the prompt with global
+index ``g`` draws its t-th token from a uniform fixed by ``(step seed, g, j, t)``
+(``sample_seed``, ``_PerSampleSampler``), whatever rank, chunk or micro-batch it
+is generated in. A run resumed on another number of workers samples the
+responses the old size would have sampled (up to float rounding of the logits,
+which differs with batch shapes); on the same layout it is bit-reproducible.
 
 Generation runs in chunks of whole groups (``micro_batch_size // n`` prompts of
 ``n`` samples; a group larger than ``micro_batch_size`` is split over chunks of
@@ -27,6 +31,7 @@ import inspect
 import logging
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from distflow.data.batch import PackedBatch
@@ -96,6 +101,59 @@ def _trim_response(tokens: torch.Tensor, eos_ids: list[int], pad_id: int) -> lis
     return out
 
 
+def step_seed(seed: int, step: int, round_index: int = 0) -> int:
+    """The rollout seed of a step (and refill round): the same on every rank, whatever the world size."""
+    return hash((seed, step, round_index)) & 0x7FFFFFFF
+
+
+def sample_seed(seed: int, group: int, sample: int) -> int:
+    """The seed of one response: fixed by the step's seed, the prompt's global index and the sample index."""
+    return hash((seed, group, sample)) & 0x7FFFFFFF
+
+
+_GOLDEN, _MIX1, _MIX2 = np.uint64(0x9E3779B97F4A7C15), np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
+
+
+def sample_uniforms(seeds: np.ndarray, position: int) -> np.ndarray:
+    """One uniform in (0, 1) per sample for its ``position``-th response token: [B] float64.
+
+    Counter-based (splitmix64 of ``seed << 32 | position``): a pure function of the
+    sample's seed and the position, so no generator state ties samples that share a call.
+    """
+    z = (seeds.astype(np.uint64) << np.uint64(32)) | np.uint64(position)
+    z = z + _GOLDEN
+    z = (z ^ (z >> np.uint64(30))) * _MIX1
+    z = (z ^ (z >> np.uint64(27))) * _MIX2
+    z = z ^ (z >> np.uint64(31))
+    return ((z >> np.uint64(11)).astype(np.float64) + 0.5) / float(1 << 53)
+
+
+class _PerSampleSampler:
+    """A logits processor that samples each row with its own uniform (inverse CDF) and leaves only
+    that token finite, so ``generate`` run greedily emits it. Temperature, top-k and top-p are
+    transformers' own warpers, applied in their usual order."""
+
+    def __init__(self, seeds: list[int], prompt_width: int, params: SamplingParams):
+        from transformers import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
+        self.seeds = np.asarray(seeds, dtype=np.uint64)
+        self.prompt_width = prompt_width
+        self.warpers = [TemperatureLogitsWarper(params.temperature)]
+        if params.top_k:
+            self.warpers.append(TopKLogitsWarper(params.top_k))
+        if params.top_p < 1.0:
+            self.warpers.append(TopPLogitsWarper(params.top_p))
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        for warp in self.warpers:
+            scores = warp(input_ids, scores)
+        cdf = torch.softmax(scores.float(), dim=-1).cumsum(dim=-1)  # [B, V]
+        u = torch.from_numpy(sample_uniforms(self.seeds, input_ids.shape[1] - self.prompt_width))
+        target = (u.to(cdf.device, cdf.dtype) * cdf[:, -1]).unsqueeze(-1)
+        token = torch.searchsorted(cdf, target).clamp_(max=scores.shape[-1] - 1)  # [B, 1]
+        return torch.full_like(scores, float("-inf")).scatter_(-1, token, 0.0)
+
+
 @torch.no_grad()
 def generate(model, tokenizer, prompts: list[list[int]], group_index: list[int],
              params: SamplingParams, seed: int, device: torch.device) -> PackedBatch:
@@ -104,32 +162,35 @@ def generate(model, tokenizer, prompts: list[list[int]], group_index: list[int],
     Args:
         prompts: token ids per prompt (this rank's).
         group_index: the global index of each prompt in the step.
-        seed: seeds the sampling RNG for this call.
+        seed: the step's seed (``step_seed``), the same on every rank; response ``j`` of
+            prompt ``group_index[i]`` samples from ``sample_seed(seed, group_index[i], j)``.
     Returns:
         PackedBatch of len(prompts) * n samples, the n of a prompt adjacent.
     """
+    from transformers import LogitsProcessorList
+
     gen = torch.Generator(device="cpu").manual_seed(seed)
     torch.manual_seed(int(torch.randint(0, 2**31 - 1, (1,), generator=gen)))
     pad_id = tokenizer.pad_token_id
     eos_ids = eos_token_ids(model, tokenizer)
-    kwargs = dict(max_new_tokens=params.max_new_tokens, pad_token_id=pad_id, eos_token_id=eos_ids)
-    if params.temperature > 0:
-        kwargs.update(do_sample=True, temperature=params.temperature, top_p=params.top_p,
-                      top_k=params.top_k or None)
-    else:
-        kwargs.update(do_sample=False)
+    kwargs = dict(max_new_tokens=params.max_new_tokens, pad_token_id=pad_id, eos_token_id=eos_ids, do_sample=False)
     share = params.share_prefill and _supports_shared_prefill(model)
     seqs, meta = [], []
+    done = [0] * len(prompts)  # responses of each prompt generated so far (a group may span chunks)
     for chunk in _group_chunks(len(prompts), params.n, params.micro_batch_size):
         reps = chunk[0][1]  # the same for every prompt of a chunk
         ids, mask = _left_pad([prompts[i] for i, _ in chunk], pad_id)
         width = ids.shape[1]
+        if params.temperature > 0:
+            seeds = [sample_seed(seed, group_index[i], done[i] + j) for i, _ in chunk for j in range(reps)]
+            kwargs["logits_processor"] = LogitsProcessorList([_PerSampleSampler(seeds, width, params)])
         cache = _shared_prefill(model, ids, mask, reps, device) if share and reps > 1 and width > 1 else None
         prefilled = {} if cache is None else {"cache": cache}
         out = model.generate(input_ids=ids.repeat_interleave(reps, dim=0).to(device),
                              attention_mask=mask.repeat_interleave(reps, dim=0).to(device),
                              **prefilled, **kwargs).cpu()
         for row, (i, _) in enumerate(chunk):
+            done[i] += reps
             for j in range(reps):
                 resp = _trim_response(out[row * reps + j, width:], eos_ids, pad_id)
                 seqs.append((prompts[i], resp))

@@ -39,7 +39,7 @@ import torch
 
 from distflow.data.batch import PackedBatch
 from distflow.engines.fsdp import full_state_tensors
-from distflow.engines.rollout import SamplingParams, pack_responses
+from distflow.engines.rollout import SamplingParams, pack_responses, sample_seed
 
 
 @dataclass(frozen=True)
@@ -210,11 +210,6 @@ def _gathered_in_buckets(model: torch.nn.Module, bucket_bytes: int):
             yield from bucket
             bucket, size = [], 0
     yield from bucket
-
-
-def sample_seed(seed: int, group: int, sample: int) -> int:
-    """The seed of one response: fixed by the call's seed, the prompt's global index and the sample index."""
-    return hash((seed, group, sample)) & 0x7FFFFFFF
 
 
 def _sampling_kwargs(params: SamplingParams, tokenizer) -> dict:
