@@ -229,10 +229,14 @@ class NodeBuffer:
             leftover.unlink(missing_ok=True)
 
     def cleanup(self) -> None:
-        """Remove the whole node directory (call from one process of the node, at the end)."""
+        """Remove the whole node directory at the end. Every worker of the node calls it as it
+        closes, so a directory a node peer removed already is not an error."""
         for leftover in self.directory.glob("*"):
             leftover.unlink(missing_ok=True)
-        self.directory.rmdir()
+        try:
+            self.directory.rmdir()
+        except FileNotFoundError:
+            pass
 
     @staticmethod
     def _tmp(final: Path) -> Path:
