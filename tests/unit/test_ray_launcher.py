@@ -4,7 +4,7 @@ import pytest
 
 from distflow.errors import DistflowConfigError
 from distflow.ray_launcher import (
-    RayResources, placement_shortfall, torchrun_environ, worker_env_from_environ, worker_resources,
+    RayResources, metrics_ports, placement_shortfall, torchrun_environ, worker_env_from_environ, worker_resources,
 )
 from distflow.spec import parse_spec
 
@@ -74,8 +74,10 @@ def test_shortfall_names_labels_no_node_carries():
 @pytest.mark.parametrize("rank, node_rank, local_rank, metrics_port", [(0, 0, 0, 9400), (1, 0, 1, 0),
                                                                         (2, 1, 0, 9401), (3, 1, 1, 0)])
 def test_each_actor_env_reads_back_as_its_worker_env(rank, node_rank, local_rank, metrics_port):
-    spec = _spec(trainer={"metricsPort": 9400})
-    environ = torchrun_environ(spec, rank, ("10.0.0.7", 29500), "/models/tiny", resume=False)
+    spec = _spec()
+    ports = metrics_ports(9400, ["10.0.0.7", "10.0.0.7"])
+    environ = torchrun_environ(spec, rank, ("10.0.0.7", 29500), "/models/tiny", resume=False,
+                               metrics_port=ports[node_rank])
     env = worker_env_from_environ(spec, "job", environ)
     assert (env.rank, env.world_size, env.node_rank, env.num_nodes) == (rank, 4, node_rank, 2)
     assert (env.local_rank, env.local_world_size, env.device_index) == (local_rank, 2, 0)
@@ -86,3 +88,8 @@ def test_each_actor_env_reads_back_as_its_worker_env(rank, node_rank, local_rank
 def test_ray_address_is_a_spec_field():
     assert _spec(ray={"address": "auto"}).ray.address == "auto"
     assert _spec().ray.address is None
+
+
+def test_nodes_on_their_own_hosts_share_the_metrics_port_and_nodes_on_one_host_take_the_next():
+    assert metrics_ports(9400, ["10.0.0.1", "10.0.0.2", "10.0.0.1"]) == [9400, 9400, 9401]
+    assert metrics_ports(0, ["10.0.0.1", "10.0.0.1"]) == [0, 0]

@@ -16,6 +16,7 @@ import argparse
 import os
 import sys
 import traceback
+from pathlib import Path
 
 from distflow.errors import DistflowConfigError, LaunchError
 from distflow.launcher import EXIT_FAILED, EXIT_INVALID_CONFIG, EXIT_OK
@@ -64,7 +65,9 @@ def cmd_run(args) -> int:
         launch_ray(spec, job_name_for(args.config), address, resume=not args.no_resume)
     else:
         launch_local(spec, job_name_for(args.config), resume=not args.no_resume)
-    records = read_jsonl(f"{spec.trainer.log_dir}/metrics.jsonl")
+    metrics = Path(spec.trainer.log_dir) / "metrics.jsonl"
+    # On Ray, rank 0 writes it on its own Ray node: the driver sees it only where logDir is shared.
+    records = read_jsonl(metrics) if metrics.is_file() else []
     evals = [r["eval/score"] for r in records if "eval/score" in r]
     if evals:
         print(f"eval score: before {evals[0]:.3f} -> after {evals[-1]:.3f} "

@@ -166,8 +166,7 @@ def worker_env_from_environ(spec: JobSpec, job_name: str, environ):
     LOCAL_RANK and DISTFLOW_MODEL_DIR).
 
     A Ray actor sees only the GPUs Ray gave it (CUDA_VISIBLE_DEVICES), so its device index is 0.
-    The node's first worker serves Prometheus on ``trainer.metricsPort + node rank`` (Ray nodes
-    may share a host, as distflow's local nodes do).
+    The node's first worker serves Prometheus on DISTFLOW_METRICS_PORT (0: none).
     """
     from distflow.launcher import node_env_from_environ
     from distflow.worker import WorkerEnv
@@ -175,22 +174,30 @@ def worker_env_from_environ(spec: JobSpec, job_name: str, environ):
     node = node_env_from_environ(environ)
     nproc, node_rank = int(node["PET_NPROC_PER_NODE"]), int(node["PET_NODE_RANK"])
     local_rank = int(environ["LOCAL_RANK"])
-    port = spec.trainer.metrics_port
+    port = int(environ.get("DISTFLOW_METRICS_PORT", "0"))
     return WorkerEnv(rank=node_rank * nproc + local_rank, world_size=int(node["PET_NNODES"]) * nproc,
                      local_rank=local_rank, local_world_size=nproc, node_rank=node_rank,
                      num_nodes=int(node["PET_NNODES"]), master_addr=str(node["MASTER_ADDR"]),
                      master_port=int(node["MASTER_PORT"]), job_name=job_name,
                      model_dir=environ["DISTFLOW_MODEL_DIR"], device_index=0,
                      resume=environ.get("DISTFLOW_RESUME", "1") == "1",
-                     metrics_port=port + node_rank if port and local_rank == 0 else 0)
+                     metrics_port=port if local_rank == 0 else 0)
+
+
+def metrics_ports(base_port: int, node_hosts: list[str]) -> list[int]:
+    """Each distflow node's Prometheus port: ``base_port`` on its host, the next free one when
+    earlier nodes share the host (Ray nodes on one machine, as in a test); all 0 when off."""
+    if not base_port:
+        return [0] * len(node_hosts)
+    return [base_port + node_hosts[:i].count(host) for i, host in enumerate(node_hosts)]
 
 
 def torchrun_environ(spec: JobSpec, rank: int, master: tuple[str, int], model_dir: str,
-                     resume: bool) -> dict[str, str]:
+                     resume: bool, metrics_port: int = 0) -> dict[str, str]:
     """The variables worker ``rank`` gets: the operator's pod env plus the per-process ones."""
     nproc = spec.cluster.procs_per_node
     node_rank, local_rank = divmod(rank, nproc)
-    return {"PET_NNODES": str(spec.cluster.num_nodes), "PET_NODE_RANK": str(node_rank),
+    return {"DISTFLOW_METRICS_PORT": str(metrics_port), "PET_NNODES": str(spec.cluster.num_nodes), "PET_NODE_RANK": str(node_rank),
             "PET_NPROC_PER_NODE": str(nproc), "MASTER_ADDR": master[0], "MASTER_PORT": str(master[1]),
             "RANK": str(rank), "LOCAL_RANK": str(local_rank), "WORLD_SIZE": str(spec.world_size),
             "DISTFLOW_MODEL_DIR": model_dir, "DISTFLOW_RESUME": "1" if resume else "0"}
@@ -240,21 +247,26 @@ def _run_on_cluster(spec: JobSpec, job_name: str, resources: RayResources, resum
     actors, queue = [], None
     try:
         actors = _start_actors(spec, group, resources)
-        places = ray.get([a.where.remote() for a in actors])
-        for rank, place in enumerate(places):
-            print(f"distflow: rank {rank} (node {rank // spec.cluster.procs_per_node}) on Ray node "
-                  f"{place['node_id'][:12]} {place['ip']}, pid {place['pid']}", flush=True)
-        master = ray.get(actors[0].rendezvous.remote())
-        leads = actors[::spec.cluster.procs_per_node]
-        model_dirs = ray.get([lead.prepare.remote(spec) for lead in leads])
+        try:
+            places = ray.get([a.where.remote() for a in actors])
+            for rank, place in enumerate(places):
+                print(f"distflow: rank {rank} (node {rank // spec.cluster.procs_per_node}) on Ray node "
+                      f"{place['node_id'][:12]} {place['ip']}, pid {place['pid']}", flush=True)
+            master = ray.get(actors[0].rendezvous.remote())
+            leads = actors[::spec.cluster.procs_per_node]
+            model_dirs = ray.get([lead.prepare.remote(spec) for lead in leads])
+        except ray.exceptions.RayActorError as err:
+            raise LaunchError(f"a worker's actor was lost before training started: {err}") from None
         if progress:
             from ray.util.queue import Queue
 
             queue = Queue(actor_options={"num_cpus": 0})
+        node_hosts = [place["ip"] for place in places[::spec.cluster.procs_per_node]]
+        ports = metrics_ports(spec.trainer.metrics_port, node_hosts)
         runs = {}
         for rank, actor in enumerate(actors):
             node_rank = rank // spec.cluster.procs_per_node
-            environ = torchrun_environ(spec, rank, master, model_dirs[node_rank], resume)
+            environ = torchrun_environ(spec, rank, master, model_dirs[node_rank], resume, ports[node_rank])
             runs[actor.run.remote(spec, job_name, environ, queue if rank == 0 else None)] = rank
         _wait(spec, runs, places, queue)
     finally:
