@@ -4,7 +4,8 @@ import pytest
 
 from distflow.errors import DistflowConfigError
 from distflow.ray_launcher import (
-    RayResources, metrics_ports, placement_shortfall, torchrun_environ, worker_env_from_environ, worker_resources,
+    RayResources, failure_message, metrics_ports, placement_shortfall, torchrun_environ, worker_env_from_environ,
+    worker_resources,
 )
 from distflow.spec import parse_spec
 
@@ -93,3 +94,17 @@ def test_ray_address_is_a_spec_field():
 def test_nodes_on_their_own_hosts_share_the_metrics_port_and_nodes_on_one_host_take_the_next():
     assert metrics_ports(9400, ["10.0.0.1", "10.0.0.2", "10.0.0.1"]) == [9400, 9400, 9401]
     assert metrics_ports(0, ["10.0.0.1", "10.0.0.1"]) == [0, 0]
+
+
+def test_failure_message_puts_the_lost_actor_first_and_shortens_its_peers_errors():
+    class ActorDied(Exception):
+        pass
+
+    places = [{"node_id": "a" * 28, "ip": "10.0.0.1", "pid": 100 + r} for r in range(4)]
+    peer = RuntimeError("\x1b[36mray::RayWorker.run()\x1b[39m\n  File ...\nRuntimeError: Connection closed by peer")
+    text = failure_message([(2, peer), (1, ActorDied("The actor died unexpectedly"))], places, ActorDied)
+    assert text.splitlines() == [
+        "2 worker(s) stopped; the job was stopped and its actors released.",
+        "rank 1 on Ray node aaaaaaaaaaaa 10.0.0.1 (pid 101) lost (its process or Ray node died): "
+        "The actor died unexpectedly",
+        "rank 2 on Ray node aaaaaaaaaaaa 10.0.0.1 (pid 102) failed: RuntimeError: Connection closed by peer"]

@@ -34,6 +34,7 @@ in that path.
 from __future__ import annotations
 
 import os
+import re
 import time
 from dataclasses import dataclass
 
@@ -44,6 +45,8 @@ FAILURE_GRACE_SECONDS = 3.0
 """After the first failed worker, how long to collect the others' errors: a lost process is reported
 before its peers' collective errors (they follow from it), whichever Ray saw first."""
 POLL_SECONDS = 0.5
+ANSI_ESCAPE = re.compile(r"\x1b\[[0-9;]*m")
+"""Ray colours the task name in an error; the message goes to logs and termination messages."""
 
 
 @dataclass(frozen=True)
@@ -345,7 +348,7 @@ def _wait(spec: JobSpec, runs: dict, places: list[dict], queue) -> None:
     if printer is not None and printer.task is not None:
         printer.bar.stop()
     if failures:
-        raise LaunchError(_failure_message(failures, places, RayActorError))
+        raise LaunchError(failure_message(failures, places, RayActorError))
 
 
 def _show_progress(queue, printer) -> None:
@@ -353,14 +356,17 @@ def _show_progress(queue, printer) -> None:
         printer(*queue.get_nowait())
 
 
-def _failure_message(failures: list, places: list[dict], actor_error: type) -> str:
-    """Lost actors (process or Ray node gone) first: their peers' errors follow from them."""
+def failure_message(failures: list, places: list[dict], actor_error: type) -> str:
+    """Lost actors (process or Ray node gone) first, in full: their peers' errors follow from them
+    (a collective whose peer vanished), so those get their last line only."""
     failures = sorted(failures, key=lambda f: (not isinstance(f[1], actor_error), f[0]))
     lines = []
-    for rank, err in failures:
+    for index, (rank, err) in enumerate(failures):
         place = places[rank]
         what = "lost (its process or Ray node died)" if isinstance(err, actor_error) else "failed"
+        text = ANSI_ESCAPE.sub("", str(err)).strip()
+        if index:
+            text = text.splitlines()[-1] if text else text
         lines.append(f"rank {rank} on Ray node {place['node_id'][:12]} {place['ip']} (pid {place['pid']}) "
-                     f"{what}: {err}")
+                     f"{what}: {text}")
     return f"{len(failures)} worker(s) stopped; the job was stopped and its actors released.\n" + "\n".join(lines)
-
