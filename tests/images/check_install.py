@@ -66,6 +66,7 @@ CHECKS = (
     ImageCheck("Dockerfile", resolve_only=False),
     ImageCheck("worker_image/Dockerfile", resolve_only=True,
                variants=({"EXTRAS": "runtime,s3"},
+                         {"EXTRAS": "runtime,s3,ray"},
                          {"EXTRAS": "runtime,s3,vllm", "LOCK": "worker_image/requirements-vllm.lock"})),
 )
 
@@ -281,6 +282,8 @@ def verify_worker_resolution(report: Path, parsed: Dockerfile, overrides: dict[s
                   f"{label}: torch, transformers and distflow resolve", str(sorted(installs)))
     wants_vllm = "vllm" in extras.split(",")
     results.check(("vllm" in installs) == wants_vllm, f"{label}: vllm {'present' if wants_vllm else 'absent'}")
+    wants_ray = "ray" in extras.split(",")  # the RayJob image (examples/rayjob.yaml)
+    results.check(("ray" in installs) == wants_ray, f"{label}: ray {'present' if wants_ray else 'absent'}")
     lock_name = expand(overrides.get("LOCK", "${LOCK}"), {**parsed.global_args, **parsed.stage_args})
     locked = lockfile.pins(REPO / lock_name, lockfile.linux_environment(python_version))
     drift = {k: (v, locked[k]) for k, v in installs.items() if k in locked and locked[k] != v}

@@ -27,8 +27,8 @@ except ImportError:  # Python 3.10: pytest's own dependency provides it
 pytestmark = pytest.mark.unit
 
 REPO = Path(__file__).resolve().parents[2]
-LOCKED_EXTRAS = ("runtime", "operator", "dev", "bench")
-SETUP_EXTRAS = ("runtime", "operator", "dev")  # what .ci/setup installs
+LOCKED_EXTRAS = ("runtime", "operator", "dev", "bench", "ray")
+SETUP_EXTRAS = ("runtime", "operator", "dev", "ray")  # what .ci/setup installs
 # .ci/setup writes this into .venv's site-packages: it marks a venv made from the lock.
 SETUP_MARKER = "_distflow_cached_venv.pth"
 

@@ -1,6 +1,7 @@
 """`distflow` command line.
 
     distflow run CONFIG [--set path=value ...] [--no-resume]   train on this machine
+    distflow run CONFIG --ray auto|HOST:PORT                    train on an existing Ray cluster
     distflow plan CONFIG                                        print the plan every worker runs
     distflow validate CONFIG                                    check a config or RLPostTrainJob
     distflow model convert [SOURCE]                             GGUF -> safetensors, once, cached
@@ -15,8 +16,9 @@ import argparse
 import os
 import sys
 import traceback
+from pathlib import Path
 
-from distflow.errors import DistflowConfigError
+from distflow.errors import DistflowConfigError, LaunchError
 from distflow.launcher import EXIT_FAILED, EXIT_INVALID_CONFIG, EXIT_OK
 from distflow.spec import JobSpec, load_job_spec
 
@@ -35,6 +37,9 @@ def _parser() -> argparse.ArgumentParser:
             c.add_argument("--no-resume", action="store_true", help="start over: move the previous run's checkpoints and logs aside (<name>.previous)")
             c.add_argument("--resume", action="store_true",
                            help="continue from the latest checkpoint (the default when one exists)")
+            c.add_argument("--ray", metavar="ADDRESS", default=None,
+                           help="run the workers as actors on this Ray cluster: auto (Ray's discovery), "
+                                "HOST:PORT or ray://HOST:10001 (default: spec.ray.address, else this machine)")
     node = sub.add_parser("node", help="run this pod's workers (env launcher)")
     node.add_argument("--config", required=True, help="the job spec mounted from the ConfigMap")
     model = sub.add_parser("model", help="model utilities")
@@ -53,8 +58,16 @@ def cmd_run(args) -> int:
     from distflow.metrics import read_jsonl
 
     spec = _load(args)
-    launch_local(spec, job_name_for(args.config), resume=not args.no_resume)
-    records = read_jsonl(f"{spec.trainer.log_dir}/metrics.jsonl")
+    address = args.ray or spec.ray.address
+    if address:
+        from distflow.ray_launcher import launch_ray
+
+        launch_ray(spec, job_name_for(args.config), address, resume=not args.no_resume)
+    else:
+        launch_local(spec, job_name_for(args.config), resume=not args.no_resume)
+    metrics = Path(spec.trainer.log_dir) / "metrics.jsonl"
+    # On Ray, rank 0 writes it on its own Ray node: the driver sees it only where logDir is shared.
+    records = read_jsonl(metrics) if metrics.is_file() else []
     evals = [r["eval/score"] for r in records if "eval/score" in r]
     if evals:
         print(f"eval score: before {evals[0]:.3f} -> after {evals[-1]:.3f} "
@@ -127,6 +140,9 @@ def main(argv: list[str] | None = None) -> int:
         if in_pod:
             _termination_message(f"InvalidConfig: {err}")
         return EXIT_INVALID_CONFIG
+    except LaunchError as err:  # the message says what failed where; the driver's traceback adds nothing
+        print(f"distflow: {err}", file=sys.stderr)
+        return EXIT_FAILED
     except KeyboardInterrupt:
         return EXIT_FAILED
     except Exception as err:

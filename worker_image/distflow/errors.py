@@ -13,3 +13,8 @@ class DistflowConfigError(ValueError):
     def __init__(self, problems: list[str] | str):
         self.problems = [problems] if isinstance(problems, str) else list(problems)
         super().__init__("invalid job spec:\n" + "\n".join(f"  - {p}" for p in self.problems))
+
+
+class LaunchError(RuntimeError):
+    """A launcher could not run the job to the end: a cluster it cannot reach, resources it
+    cannot get in time, or a worker lost or failed. The message says which and why."""

@@ -9,7 +9,8 @@ so that a local config may use either. A local run config is the same spec in
 a file: either a whole ``RLPostTrainJob`` manifest or just its ``spec``.
 
 The operator-only sections (``scheduling``, ``template``) are in
-:mod:`distflow.spec_pod`; every model shares :class:`distflow.spec_base.SpecBase`.
+:mod:`distflow.spec_pod`, the Ray launcher's (``ray``) in :mod:`distflow.spec_ray`; every model
+shares :class:`distflow.spec_base.SpecBase`.
 
 Every validation error names the field path (``spec.data.trainBatchSize``) and
 the fix, and is raised as :class:`DistflowConfigError` before any worker starts.
@@ -27,6 +28,7 @@ from pydantic.alias_generators import to_snake
 from distflow.errors import DistflowConfigError
 from distflow.spec_base import SpecBase
 from distflow.spec_pod import PodTemplateSpec, SchedulingSpec
+from distflow.spec_ray import RaySpec
 
 API_GROUP = "distflow.io"
 API_VERSION = "v1alpha1"
@@ -441,6 +443,8 @@ class JobSpec(_Spec):
     """Gang scheduling (operator)."""
     template: PodTemplateSpec = Field(default_factory=PodTemplateSpec)
     """Pod overrides (operator)."""
+    ray: RaySpec = Field(default_factory=RaySpec)
+    """Workers as actors on an existing Ray cluster (`distflow run` only; the operator ignores it)."""
 
     @property
     def world_size(self) -> int:

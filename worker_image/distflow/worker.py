@@ -275,6 +275,7 @@ class DagWorker:
         sent_before = dict(self.counters.bytes_sent)
         hits_before = sum(self.counters.cache_hits.values())
         exchanges_before = sum(self.counters.exchanges.values())
+        paths_before = self._path_bytes()
         collectives = process_group.collective_bytes()
         gathered, reduced = collectives.all_gather, collectives.reduce_scatter
         start = time.perf_counter()
@@ -293,6 +294,8 @@ class DagWorker:
             self.metrics.add_sum(f"data/bytes_sent/{edge}", value)
         self.metrics.add_sum("data/cache_hits", sum(self.counters.cache_hits.values()) - hits_before)
         self.metrics.add_sum("data/exchanges", sum(self.counters.exchanges.values()) - exchanges_before)
+        for name, value in self._path_bytes().items():
+            self.metrics.add_sum(name, value - paths_before[name])
         self.metrics.add_max("timing_s/step", time.perf_counter() - start)
         # FSDP2's weight all-gathers and gradient reduce-scatters this step, counted (busiest rank)
         self.metrics.add_max("perf/allgather_bytes", collectives.all_gather - gathered)
@@ -304,6 +307,13 @@ class DagWorker:
         out["training/step"] = self.step + 1
         self._export(out, node_bytes)
         return out
+
+    def _path_bytes(self) -> dict[str, int]:
+        """Bytes this rank has sent so far by path: to its own node (of which handed over through
+        the node buffer, without a copy over the network) and to other nodes."""
+        return {"data/intra_node_bytes": self.counters.intra_node_bytes,
+                "data/bytes_handed_over": sum(self.counters.bytes_handed_over.values()),
+                "data/cross_node_bytes": self.counters.cross_node_bytes}
 
     def _transfer_stats(self, step_sent: dict[str, int]) -> tuple[dict[str, float], dict]:
         """Gather every rank's bytes of this step (metadata-sized: one row per rank).
