@@ -14,6 +14,7 @@ import yaml
 from distflow_operator.kube import ChildConflict
 from distflow_operator.metrics import OperatorMetrics
 from distflow_operator.observed import pod_view
+from distflow_operator.podcache import PodCache
 from distflow_operator.reconcile import Reconciler
 
 pytestmark = pytest.mark.unit
@@ -31,12 +32,12 @@ class FakeApi:
         self.jobs: dict = {}
         self.taken: set[str] = set()
 
-    def patch_job_status(self, namespace, name, patch):
+    def patch_job_status(self, namespace, name, patch, resource_version=None):
         self.calls.append(("status", patch.get("phase"), patch.get("attempt")))
         if self.update_index_status:
             body = self.jobs[(namespace, name)][0]
             body["status"] = {k: v for k, v in {**body.get("status", {}), **patch}.items() if v is not None}
-        return True
+        return str(len(self.calls))
 
     def ensure(self, obj, owner):
         self.calls.append(("ensure", obj["kind"]))
@@ -203,3 +204,51 @@ def test_each_requeue_after_wakes_the_job_again():
     asyncio.run(scenario())
     assert len(runs) == 4
     assert all(b - a >= 0.09 for a, b in itertools.pairwise(runs))
+
+
+def _pod_obj(name, uid, phase="Running", rv="1"):
+    return {"metadata": {"name": name, "uid": uid, "namespace": "ns", "resourceVersion": rv,
+                         "labels": {"distflow.io/job-name": "grpo-tiny", "distflow.io/node-rank": "0",
+                                    "distflow.io/attempt": "1"}},
+            "status": {"phase": phase}}
+
+
+def test_relist_purges_pods_deleted_while_the_watch_was_down():
+    cache = PodCache()
+    cache.observe("ADDED", _pod_obj("a", "u-a"))
+    cache.observe("ADDED", _pod_obj("b", "u-b"))
+    mark = cache.begin_list()
+    cache.observe("ADDED", _pod_obj("c", "u-c"))  # created after the LIST started: kept
+    changed = cache.replace(mark, [_pod_obj("a", "u-a")], {"ns"})
+    assert changed == {KEY} and sorted(p.name for p in cache[KEY]) == ["a", "c"]
+
+
+def test_relist_never_overwrites_a_newer_watch_event():
+    cache = PodCache()
+    cache.observe("ADDED", _pod_obj("a", "u-a"))
+    mark = cache.begin_list()
+    cache.observe("MODIFIED", _pod_obj("a", "u-a", phase="Failed"))
+    assert cache.replace(mark, [_pod_obj("a", "u-a", phase="Running")], {"ns"}) == set()
+    assert [p.phase for p in cache[KEY]] == ["Failed"]
+    assert cache.forget("u-a") == KEY and KEY not in cache
+
+
+def test_refused_pod_creation_is_reported_once_then_fails_the_job():
+    from distflow_operator.kube import KubeApiError
+
+    reconciler, api, doc, _, _ = setup()
+
+    def refuse(pod):
+        api.calls.append(("create", pod["metadata"]["name"]))
+        raise KubeApiError("POST", "/pods", 403, {"reason": "Forbidden", "message": "exceeded quota: pods=1"})
+    api.create = refuse
+
+    async def passes():
+        return [await reconciler.reconcile(KEY) for _ in range(4)]
+    delays = asyncio.run(passes())
+    assert delays[:3] == [0.5, 0.5, 0.5]
+    assert doc["status"]["phase"] == "Failed" and doc["status"]["reason"] == "PodCreationRejected"
+    assert "exceeded quota" in doc["status"]["message"]
+    # Three refusals with one message: one event for them, one for the job failing.
+    assert [c for c in api.calls if c == ("event", "PodCreationRejected")] == [("event", "PodCreationRejected")] * 2
+    assert len([c for c in api.calls if c[0] == "create"]) == 3 * 2
