@@ -85,9 +85,12 @@ class LeaderElector:
         """Acquire and renew forever; ``call`` runs a blocking function off the event loop."""
         while True:
             was_leader = self.is_leader
+            # The Lease was written at the start of the round trip at the latest: count from there,
+            # so a call that hung does not stretch this replica's term past what the Lease says.
+            started = time.monotonic()
             try:
                 if await call(self.try_acquire):
-                    self._renewed_at = time.monotonic()
+                    self._renewed_at = started
             except Exception as err:  # API server unreachable: the renew deadline makes this replica step down
                 logger.warning("lease %s/%s: %s", self._namespace, LEASE_NAME, err)
             if self.is_leader and not was_leader:

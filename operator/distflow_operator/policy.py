@@ -31,7 +31,10 @@ labelled ``distflow.io/attempt=a``. Decisions, in order:
    and the backoff has passed, missing ranks are created. A pod still
    Terminating ``terminatingTimeoutSeconds`` after its grace period (its node
    is gone and no kubelet confirms) is force-deleted; meanwhile the status
-   says which pods the restart waits for.
+   says which pods the restart waits for. When the API server refuses the
+   pods, the status says why at once; a refusal as invalid (400, 422) fails
+   the job after three passes in a row, a 403 (quota, Pod Security, RBAC)
+   once it has lasted ``podErrorGraceSeconds`` (see :class:`Rejection`).
 
 Deliberately simplified: a missing pod that the operator never saw (e.g. lost
 while the operator itself was down) is recreated within the same attempt
@@ -58,7 +61,8 @@ GRACE_WAITING_REASONS = {
 }
 """Waiting reasons that may clear (registry hiccup, a Secret created later): fatal after a grace period."""
 MAX_CHILD_REJECTIONS = 3
-"""Passes in a row whose pod creation the API server rejected (4xx) before the job fails."""
+"""Passes in a row whose pod creation the API server refused as invalid (400, 422) before the job fails."""
+FORBIDDEN = 403
 MAX_BACKOFF_SECONDS = 3600.0
 
 
@@ -74,6 +78,25 @@ class RunState:
     start_time: datetime | None = None
     last_restart_time: datetime | None = None
     completion_time: datetime | None = None
+
+
+@dataclass(frozen=True)
+class Rejection:
+    """The API server refused to create the node pods on every pass since ``since``.
+
+    Why two clocks: 400 and 422 say the pod itself is invalid, which only a spec
+    edit fixes, so a few tries suffice. 403 is a verdict on the cluster's state
+    (quota in use, the namespace's Pod Security level, RBAC, or an admission
+    plugin whose discovery lags a CRD installed moments ago), which can change
+    without any edit: it fails the job only after ``podErrorGraceSeconds``.
+    """
+
+    tries: int
+    status: int
+    """HTTP status of the last refusal."""
+    message: str
+    since: datetime
+    """When the first refusal of this run happened."""
 
 
 @dataclass(frozen=True)
@@ -206,6 +229,24 @@ def _restart(job: JobView, pods: Sequence[PodView], state: RunState, now: dateti
                     delete_pods=tuple(p for p in pods if not p.deleting), requeue_after=delay or None)
 
 
+def _refusal(job: JobView, rejected: Rejection, now: datetime) -> tuple[Outcome, float | None]:
+    """(what the refusals mean, seconds until a 403 fails the job); the outcome is Failed once they do."""
+    if rejected.status == FORBIDDEN:
+        grace = job.spec.run_policy.pod_error_grace_seconds
+        elapsed = (now - rejected.since).total_seconds()
+        left: float | None = grace - elapsed
+        tries, limit = f"{rejected.tries} tries in {elapsed:.0f}s", f"runPolicy.podErrorGraceSeconds={grace}"
+        fatal = left <= 0
+    else:
+        left, tries, limit = None, f"{rejected.tries} of {MAX_CHILD_REJECTIONS} tries", "the last try"
+        fatal = rejected.tries >= MAX_CHILD_REJECTIONS
+    if fatal:
+        return Outcome("Failed", "PodCreationRejected", (
+            f"the API server refused the node pods ({tries}, past {limit}): {rejected.message}")), None
+    return Outcome("Pending", "PodCreationRejected", (
+        f"the API server refuses the node pods ({tries}; the job fails after {limit}): {rejected.message}")), left
+
+
 def _stuck(job: JobView, pods: Sequence[PodView], now: datetime) -> tuple[tuple[PodView, ...], float | None]:
     """(pods Terminating past the timeout, seconds until the next one is)."""
     timeout = job.spec.run_policy.terminating_timeout_seconds
@@ -257,12 +298,12 @@ def _advance(job: JobView, pods: Sequence[PodView], state: RunState, now: dateti
 
 
 def decide(job: JobView, pods: Sequence[PodView], now: datetime, lost: Collection[str] = (),
-           rejected: tuple[int, str] | None = None, disrupted: Collection[str] = ()) -> Decision:
+           rejected: Rejection | None = None, disrupted: Collection[str] = ()) -> Decision:
     """What to do for ``job`` given its observed node pods (only pods it controls).
 
     Args:
         lost: names of pods of the status's attempt seen earlier that are gone now.
-        rejected: (passes in a row, last message) whose pod creation the API server refused with a 4xx.
+        rejected: the API server's refusals of the node pods since the last pod it accepted.
         disrupted: names of lost pods whose last observed state was a disruption (eviction, preemption).
     """
     state = run_state(job.status, pods)
@@ -294,9 +335,9 @@ def decide(job: JobView, pods: Sequence[PodView], now: datetime, lost: Collectio
     fatal = next((why for action, why in failures if action == "FailJob"), None)
     if fatal:
         return _finish(job, pods, state, now, fatal)
-    if rejected is not None and rejected[0] >= MAX_CHILD_REJECTIONS:
-        return _finish(job, pods, state, now, Outcome("Failed", "PodCreationRejected", (
-            f"the API server rejected the node pods {rejected[0]} times in a row: {rejected[1]}")))
+    refused, refused_left = _refusal(job, rejected, now) if rejected is not None else (None, None)
+    if refused is not None and refused.phase == "Failed":
+        return _finish(job, pods, state, now, refused)
     if failures:
         counted = [why for action, why in failures if action == "Count"]
         return _restart(job, pods, state, now, (counted or [failures[0][1]])[0], counted=bool(counted))
@@ -305,8 +346,8 @@ def decide(job: JobView, pods: Sequence[PodView], now: datetime, lost: Collectio
         return _finish(job, pods, state, now, Outcome(
             "Succeeded", "Completed", f"all {len(done)} nodes exited 0 (attempt {state.attempt})"))
     decision = _advance(job, pods, state, now, deadline_left)
-    if rejected is not None:
-        decision = replace(decision, waiting=("PodCreationRejected", (
-            f"the API server rejected the node pods ({rejected[0]} of {MAX_CHILD_REJECTIONS} tries): {rejected[1]}")))
+    if refused is not None:
+        decision = replace(decision, waiting=(refused.reason, refused.message),
+                           requeue_after=_min(decision.requeue_after, refused_left))
     grace_left = _grace_left(current, job, now)
     return replace(decision, requeue_after=_min(decision.requeue_after, grace_left)) if grace_left else decision

@@ -37,7 +37,7 @@ from distflow_operator.kube import ChildConflict, KubeApi, KubeApiError, StatusC
 from distflow_operator.metrics import JobSample, OperatorMetrics
 from distflow_operator.observed import JobView, PodView, job_view, parse_time
 from distflow_operator.podcache import PodCache
-from distflow_operator.policy import Decision, decide, run_state
+from distflow_operator.policy import Decision, Rejection, decide, run_state
 from distflow_operator.progress import scrape_progress
 from distflow_operator.render import (
     JobRef, build_config_map, build_headless_service, build_node_pod, build_pod_group,
@@ -51,8 +51,11 @@ MAX_ERROR_BACKOFF_S = 60.0
 EVENT_DEDUP_S = 600.0
 CONFLICT_RETRY_S = 0.5
 REJECTED_RETRY_S = 0.5
-PERMANENT_CREATE_ERRORS = (400, 403, 422)
-"""Answers to a pod creation that retrying the same pod cannot fix (bad volume, PodSecurity, quota)."""
+"""First retry after the API server refused the node pods; doubles with each refusal."""
+MAX_REJECTED_RETRY_S = 10.0
+REFUSED_CREATE_ERRORS = (400, 403, 422)
+"""Answers that refuse a pod creation (bad volume, PodSecurity, quota): remembered as a policy.Rejection,
+reported in the status and bounded by the policy, never retried silently."""
 
 
 def _newer(a: str | None, b: str | None) -> str | None:
@@ -79,8 +82,8 @@ class _JobMemory:
     """Last progress scraped from node 0."""
     resource_version: str | None = None
     """The job's resourceVersion after our last status write."""
-    rejected: tuple[int, str] | None = None
-    """(passes in a row, message) whose pod creation the API server refused with a 4xx."""
+    rejected: Rejection | None = None
+    """The API server's refusals of the node pods (4xx) since it last accepted one."""
     posted: dict[tuple[str, str, str], float] = field(default_factory=dict)
     """Events posted recently -> when: the same event is not posted again within EVENT_DEDUP_S."""
 
@@ -120,8 +123,8 @@ class Reconciler:
         self._api, self._jobs, self._metrics, self._clock = api, jobs, metrics, clock
         self.pods = self._pods = pods
         self._pod_selector = pod_selector
-        self._pods_listed = not pod_selector
-        """False until the first pod LIST answered: before it, an empty cache would read as 'no pods'."""
+        self._listed_namespaces: set[str] = set()
+        """Namespaces whose pods a LIST has answered for: before that, an empty cache is not 'no pods'."""
         self.is_leader: Callable[[], bool] = lambda: True
         """False while another replica holds the leader Lease: watch, but do not act."""
         self._pool = ThreadPoolExecutor(api_workers, thread_name_prefix="distflow-api")
@@ -194,8 +197,9 @@ class Reconciler:
         """One pass for job ``key``; returns seconds until a time-based decision is due."""
         if not self.is_leader():
             return None  # the leader reconciles; kick_all runs when this replica is elected
-        if not self._pods_listed:
-            return 0.2
+        if self._pod_selector and key[0] not in self._listed_namespaces:
+            # The first resync may have run before the job index knew this job's namespace.
+            await self._list_pods({key[0]})
         body = _first(self._jobs.get(key))
         if body is None:
             self.forget(key)
@@ -235,13 +239,15 @@ class Reconciler:
         # Right after the status it mirrors: a reader who sees the new phase in status sees it here too.
         self._metrics.record_job(job.namespace, job.name, JobSample(
             new["phase"], new.get("restarts", 0), new.get("readyNodes", 0), new.get("desiredNodes", 0)))
-        if await self._act(job, memory, decision) is False:
-            return REJECTED_RETRY_S  # the next pass reports the rejection in the status, or fails the job
+        if await self._act(job, memory, decision, now) is False:
+            # The next pass reports the refusal in the status and tries again, or fails the job.
+            retry = min(REJECTED_RETRY_S * 2.0 ** (memory.rejected.tries - 1), MAX_REJECTED_RETRY_S)
+            return min(retry, decision.requeue_after or retry)
         return decision.requeue_after
 
-    async def _act(self, job: JobView, memory: _JobMemory, decision: Decision) -> bool:
-        """Apply the decision; False when the API server refused the pods for good (4xx), which is
-        remembered for the policy instead of being retried silently.
+    async def _act(self, job: JobView, memory: _JobMemory, decision: Decision, now: datetime) -> bool:
+        """Apply the decision; False when the API server refused the pods (4xx), which is
+        remembered for the policy (policy.Rejection) instead of being retried silently.
 
         Raises:
             KubeApiError, ChildConflict: anything else; the pass is retried with backoff.
@@ -249,8 +255,10 @@ class Reconciler:
         try:
             await self._apply(job, decision)
         except KubeApiError as err:
-            if decision.create_ranks and err.status in PERMANENT_CREATE_ERRORS:
-                memory.rejected = ((memory.rejected or (0, ""))[0] + 1, str(err))
+            if decision.create_ranks and err.status in REFUSED_CREATE_ERRORS:
+                last = memory.rejected
+                memory.rejected = Rejection(last.tries + 1 if last else 1, err.status, str(err),
+                                            last.since if last else now)
                 await self._post_events(job, [("Warning", "PodCreationRejected", str(err))])
                 return False
             await self._post_events(job, [("Warning", "ReconcileError", str(err))])
@@ -323,13 +331,15 @@ class Reconciler:
 
     async def relist_pods(self) -> None:
         """LIST distflow's pods in every namespace with jobs and replace the pod cache with the answer."""
-        namespaces = {ns for ns, _ in list(self._jobs)}
+        await self._list_pods({ns for ns, _ in list(self._jobs)})
+
+    async def _list_pods(self, namespaces: set[str]) -> None:
         mark = self._pods.begin_list()
         listed = await asyncio.gather(*(self.call(self._api.list_pods, ns, self._pod_selector)
                                         for ns in sorted(namespaces)))
         for key in self._pods.replace(mark, [pod for items in listed for pod in items], namespaces):
             self.kick(key)
-        self._pods_listed = True
+        self._listed_namespaces |= namespaces
 
     async def resync_forever(self, interval_s: float) -> None:
         """Relist pods and kick every known job periodically: heals what a missed event left behind."""

@@ -233,22 +233,68 @@ def test_relist_never_overwrites_a_newer_watch_event():
     assert cache.forget("u-a") == KEY and KEY not in cache
 
 
-def test_refused_pod_creation_is_reported_once_then_fails_the_job():
+@pytest.mark.parametrize(("code", "message", "grace", "passes", "delays"), [
+    (422, "spec.volumes[0].persistentVolumeClaim: Invalid", 120, 4, [0.5, 1.0, 2.0, None]),
+    # A 403 can clear by itself (quota freed, an admission plugin's discovery catching up): retried
+    # with backoff until it has lasted podErrorGraceSeconds (the fake clock moves 1 s a pass).
+    (403, "exceeded quota: pods=1", 4, 5, [0.5, 1.0, 2.0, 1.0, None]),
+])
+def test_refused_pod_creation_is_reported_once_then_fails_the_job(code, message, grace, passes, delays):
+    from datetime import datetime, timedelta, timezone
+
     from distflow_operator.kube import KubeApiError
 
     reconciler, api, doc, _, _ = setup()
+    doc["spec"]["runPolicy"]["podErrorGraceSeconds"] = grace
+    ticks = itertools.count()
+    reconciler._clock = lambda: datetime(2026, 1, 1, tzinfo=timezone.utc) + timedelta(seconds=next(ticks))
 
     def refuse(pod):
         api.calls.append(("create", pod["metadata"]["name"]))
-        raise KubeApiError("POST", "/pods", 403, {"reason": "Forbidden", "message": "exceeded quota: pods=1"})
+        raise KubeApiError("POST", "/pods", code, {"reason": "Refused", "message": message})
     api.create = refuse
 
-    async def passes():
-        return [await reconciler.reconcile(KEY) for _ in range(4)]
-    delays = asyncio.run(passes())
-    assert delays[:3] == [0.5, 0.5, 0.5]
-    assert doc["status"]["phase"] == "Failed" and doc["status"]["reason"] == "PodCreationRejected"
-    assert "exceeded quota" in doc["status"]["message"]
-    # Three refusals with one message: one event for them, one for the job failing.
+    seen = []
+
+    async def passes_until_failed():
+        out = []
+        while doc.get("status", {}).get("phase") != "Failed":
+            out.append(await reconciler.reconcile(KEY))
+            seen.append((doc["status"]["phase"], doc["status"]["reason"]))
+            assert len(out) <= passes
+        return out
+    assert asyncio.run(passes_until_failed()) == delays
+    # The pass after the first refusal says so in the status.
+    assert seen[1:-1] == [("Pending", "PodCreationRejected")] * (passes - 2)
+    assert doc["status"]["reason"] == "PodCreationRejected" and message in doc["status"]["message"]
+    # Every refusal with one message: one event for them, one for the job failing.
     assert [c for c in api.calls if c == ("event", "PodCreationRejected")] == [("event", "PodCreationRejected")] * 2
-    assert len([c for c in api.calls if c[0] == "create"]) == 3 * 2
+    assert len([c for c in api.calls if c[0] == "create"]) == (passes - 1) * 2
+
+
+def test_an_operator_started_before_it_knew_the_namespace_lists_its_pods_before_deciding():
+    # The first resync ran with an empty job index (no namespace listed); the job then arrives
+    # with two running pods the pod watch has not delivered yet: no write, no create.
+    reconciler, api, doc, _, _ = setup()
+    doc["status"] = {"phase": "Running", "attempt": 1, "startTime": "2026-01-01T00:00:00Z"}
+    running = []
+    for rank in (0, 1):
+        pod = _pod_obj(f"grpo-tiny-node-{rank}", f"u-{rank}")
+        pod["metadata"]["labels"]["distflow.io/node-rank"] = str(rank)
+        pod["metadata"]["ownerReferences"] = [{"uid": "job-uid", "controller": True}]
+        pod["status"]["conditions"] = [{"type": "Ready", "status": "True"}]
+        running.append(pod)
+    listed = []
+    api.list_pods = lambda namespace, selector: listed.append(namespace) or running
+    reconciler = Reconciler(api, api.jobs, PodCache(), OperatorMetrics(), pod_selector="distflow.io/job-name")
+
+    async def first_passes():
+        reconciler._jobs = {}
+        await reconciler.relist_pods()  # the job index is still empty: lists no namespace
+        reconciler._jobs = api.jobs
+        return await reconciler.reconcile(KEY)
+    asyncio.run(first_passes())
+    assert listed == ["ns"]
+    assert not [c for c in api.calls if c[0] == "create"]
+    assert [c for c in api.calls if c[0] == "status" and c[1] is not None] == []  # the phase stayed Running
+    assert doc["status"]["phase"] == "Running" and doc["status"]["nodes"] == "2/2"

@@ -8,7 +8,7 @@ from datetime import datetime, timedelta, timezone
 import pytest
 
 from distflow_operator.observed import PodView, format_time, job_view, pod_view
-from distflow_operator.policy import decide, restart_backoff, run_state
+from distflow_operator.policy import Rejection, decide, restart_backoff, run_state
 
 pytestmark = pytest.mark.unit
 
@@ -170,11 +170,25 @@ def test_pods_stuck_terminating_are_force_deleted_after_the_timeout():
     assert decide(make_job(status, run_policy=policy), [stuck], NOW).force_delete_pods == (stuck,)
 
 
-def test_rejected_pod_creation_is_reported_then_fails_the_job():
-    decision = decide(make_job(running()), [], NOW, rejected=(1, "403 Forbidden: violates PodSecurity"))
+def test_pods_refused_as_invalid_fail_the_job_on_the_third_try():
+    refused = Rejection(1, 422, "422 Invalid: spec.volumes[0]: not found", since=NOW)
+    decision = decide(make_job(running()), [], NOW, rejected=refused)
     assert decision.waiting[0] == "PodCreationRejected" and decision.create_ranks == (0, 1)
-    failed = decide(make_job(running()), [], NOW, rejected=(3, "403 Forbidden: violates PodSecurity"))
-    assert failed.terminal.reason == "PodCreationRejected" and "PodSecurity" in failed.terminal.message
+    assert "1 of 3 tries" in decision.waiting[1] and "spec.volumes[0]" in decision.waiting[1]
+    failed = decide(make_job(running()), [], NOW, rejected=replace(refused, tries=3))
+    assert failed.terminal.reason == "PodCreationRejected" and "spec.volumes[0]" in failed.terminal.message
+
+
+def test_pods_forbidden_are_retried_for_the_grace_period_then_fail_the_job():
+    # A 403 may clear by itself (quota freed, discovery catching up with a new CRD): tries do not count, time does.
+    job = make_job(running(), run_policy={"podErrorGraceSeconds": 30})
+    refused = Rejection(40, 403, "403 Forbidden: exceeded quota: pods=1", since=NOW - timedelta(seconds=20))
+    decision = decide(job, [], NOW, rejected=refused)
+    assert decision.terminal is None and decision.create_ranks == (0, 1)
+    assert decision.waiting[0] == "PodCreationRejected" and "40 tries in 20s" in decision.waiting[1]
+    assert "podErrorGraceSeconds=30" in decision.waiting[1] and decision.requeue_after == 10.0
+    failed = decide(job, [], NOW, rejected=replace(refused, since=NOW - timedelta(seconds=30)))
+    assert failed.terminal.reason == "PodCreationRejected" and "exceeded quota" in failed.terminal.message
 
 
 def test_eviction_and_lost_pods_restart_the_gang():
