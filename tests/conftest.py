@@ -21,7 +21,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 OPT_IN_TIERS = {
     "bench": "benchmark",
-    "chaos": "chaos loop (kill -9 and resume; minutes per trial on 2 cores)",
+    "chaos": "chaos loop (kill -9 and resume, the operator under control-plane faults; minutes on 2 cores)",
     "vllm": "vLLM tier (its own venv, SmolLM2 on vLLM's CPU build; ~10+ min on 2 cores)",
 }
 """Tiers that run only when the -m expression names them: too long for the default run."""

@@ -1,9 +1,11 @@
 """Chaos tier: the operator (two replicas, Lease leader election) under killed leaders, API
 server restarts, NotReady nodes, floods of bad CRs and 8-node jobs applied at once.
 
-The short form runs in the default suite; DISTFLOW_CHAOS_LONG=1 runs the issue-sized loops
-(x10 kills, x5 restarts, x5 NotReady, 200 bad CRs, 100 jobs x 8 nodes). Each test prints one
-``CHAOS`` summary line with its figures (run with -s to see them).
+Opt-in (``pytest -m chaos tests/operator/test_chaos.py``): short loops by default, the
+issue-sized ones with DISTFLOW_CHAOS_LONG=1 (x10 kills, x5 restarts, x5 NotReady, 200 bad CRs,
+100 jobs x 8 nodes, 5,000 unrelated pods). Each fault also has one scenario in the default
+operator tier (test_operator_faults.py). Each test prints one ``CHAOS`` summary line with its
+figures (run with -s to see them).
 """
 
 from __future__ import annotations

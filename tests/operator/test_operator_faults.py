@@ -4,6 +4,7 @@ observations that survive relists, transient pod errors, disruptions, RBAC."""
 from __future__ import annotations
 
 import base64
+import json
 import time
 
 import pytest
@@ -17,7 +18,9 @@ pytestmark = pytest.mark.operator
 
 
 def _apply_crd(control_plane, doc) -> None:
-    out = control_plane.kubectl("apply", "-f", "-", input=yaml.safe_dump(doc))
+    # JSON, not PyYAML's YAML: that writes the property `n` (spec.rollout.n) unquoted, which
+    # kubectl's YAML 1.1 reads as the boolean false, so the CRD would lose the field.
+    out = control_plane.kubectl("apply", "-f", "-", input=json.dumps(doc))
     assert out.returncode == 0, out.stderr
 
 
@@ -98,8 +101,10 @@ def test_pods_stuck_terminating_are_force_deleted_and_the_status_says_what_the_r
     control_plane.pause("kwok")  # the kubelets stop answering: deleted pods stay Terminating
     try:
         control_plane.set_pod_phase(k8s_namespace, "stuck-node-1", "Failed", exit_code=1)
-        waiting = api.wait_phase("stuck", "Restarting", reason="WaitingForTermination", timeout_s=20)
-        assert "stuck-node-0" in waiting["message"] and "terminatingTimeoutSeconds=0" in waiting["message"]
+        # node 0 (running, 30 s grace) stays Terminating: the status names it once the operator has seen it so.
+        waiting = wait_for(lambda: (s := api.status("stuck")).get("reason") == "WaitingForTermination"
+                           and "stuck-node-0" in s["message"] and s, 20, what=lambda: str(api.status("stuck")))
+        assert waiting["phase"] == "Restarting" and "terminatingTimeoutSeconds=0" in waiting["message"]
         assert _condition(waiting, "Restarting")["reason"] == "WaitingForTermination"
         # Grace period (30 s) + terminatingTimeoutSeconds (0), then a force delete; attempt 2 is created.
         wait_for(lambda: {p["metadata"]["labels"]["distflow.io/attempt"] for p in api.pods("stuck")} == {"2"}
@@ -109,19 +114,35 @@ def test_pods_stuck_terminating_are_force_deleted_and_the_status_says_what_the_r
     assert api.wait_phase("stuck", "Running", attempt=2, timeout_s=30)["restarts"] == 1
 
 
-def test_pod_creation_rejected_by_quota_is_reported_then_fails_the_job_with_one_event(
-        control_plane, k8s_namespace, api, operator):
+def _one_pod_quota(control_plane, api, namespace: str) -> None:
     quota = {"apiVersion": "v1", "kind": "ResourceQuota", "metadata": {"name": "one-pod"},
              "spec": {"hard": {"pods": "1"}}}
-    control_plane.request("POST", f"/api/v1/namespaces/{k8s_namespace}/resourcequotas", quota, expect=(201,))
+    control_plane.request("POST", f"/api/v1/namespaces/{namespace}/resourcequotas", quota, expect=(201,))
     wait_for(lambda: (api.get("resourcequotas", "one-pod") or {}).get("status", {}).get("hard"), 20,
              what="quota active")
-    api.create_job(example_job("quota"))
+
+
+def test_pod_creation_forbidden_by_quota_is_reported_then_fails_the_job_with_one_event(
+        control_plane, k8s_namespace, api, operator):
+    _one_pod_quota(control_plane, api, k8s_namespace)
+    api.create_job(example_job("quota", runPolicy={"podErrorGraceSeconds": 4}))
+    waiting = api.wait_phase("quota", "Pending", reason="PodCreationRejected", timeout_s=10)
+    assert "exceeded quota" in waiting["message"] and "podErrorGraceSeconds=4" in waiting["message"]
     status = api.wait_phase("quota", "Failed", timeout_s=30)
     assert status["reason"] == "PodCreationRejected" and "exceeded quota" in status["message"]
     rejected = [e for e in api.events("quota") if e["reason"] == "PodCreationRejected"]
-    # Three refusals with one message make one event; the job failing makes the other.
+    # Every refusal has one message and makes one event; the job failing makes the other.
     assert len(rejected) == 2 and all("exceeded quota" in e["message"] for e in rejected)
+
+
+def test_job_forbidden_for_a_while_runs_once_the_quota_is_lifted(control_plane, k8s_namespace, api, operator):
+    _one_pod_quota(control_plane, api, k8s_namespace)
+    api.create_job(example_job("lifted"))
+    api.wait_phase("lifted", "Pending", reason="PodCreationRejected", timeout_s=10)
+    control_plane.request("DELETE", f"/api/v1/namespaces/{k8s_namespace}/resourcequotas/one-pod", expect=(200,))
+    api.wait_running_gang("lifted", attempt=1, num_nodes=2)
+    status = api.wait_phase("lifted", "Running")
+    assert (status["attempt"], status["restarts"], status["nodes"]) == (1, 0, "2/2")
 
 
 def test_eviction_restarts_the_gang_without_using_up_max_restarts(control_plane, k8s_namespace, api, operator):
