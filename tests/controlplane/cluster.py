@@ -327,12 +327,6 @@ class ControlPlane:
             while_down()
         self._start_apiserver(port=int(self.server.rsplit(":", 1)[1]))
 
-    def pause(self, component: str, paused: bool = True) -> None:
-        """SIGSTOP (or SIGCONT) a component by pid: a paused kwok is a kubelet that stopped
-        answering, so deleted pods stay Terminating as on a NotReady node."""
-        proc = next(p for name, p, _ in self._procs if name == component)
-        proc.send_signal(signal.SIGSTOP if paused else signal.SIGCONT)
-
     def etcd(self, method: str, body: dict[str, Any]) -> dict[str, Any]:
         """One call to etcd's v3 JSON gateway, e.g. ``etcd("kv/range", {"key": b64})``: tests use it to
         change storage behind the API server's back (a missed delete, a compaction)."""
@@ -355,12 +349,29 @@ class ControlPlane:
         stages = [s for s in yaml.safe_load_all(KWOK_STAGES.read_text())
                   if self.pods_become_running or s["metadata"]["name"] != "pod-ready"]
         (w / "kwok.yaml").write_text(yaml.safe_dump_all(stages))
+        self.start_kwok()
+
+    def start_kwok(self) -> None:
+        """Start kwok, the kubelet of every fake node (again, after :meth:`stop_kwok`)."""
+        assert self.workdir is not None
         key, value = KWOK_NODE_ANNOTATION
         self._spawn("kwok", [
-            kc, f"--config={w / 'kwok.yaml'}", "--manage-all-nodes=false",
-            f"--manage-nodes-with-annotation-selector={key}={value}",
+            f"--kubeconfig={self.kubeconfig}", f"--config={self.workdir / 'kwok.yaml'}",
+            "--manage-all-nodes=false", f"--manage-nodes-with-annotation-selector={key}={value}",
             "--node-lease-duration-seconds=40",
         ])
+
+    def stop_kwok(self) -> None:
+        """Kill kwok: the nodes' kubelets are gone, so deleted pods stay Terminating.
+
+        Unlike a paused (SIGSTOP) kwok, a restarted one starts from a fresh LIST:
+        kwok deletes pods by name, without the uid precondition a kubelet uses, so a
+        paused kwok's backlog would delete a new pod that reuses a deleted one's name.
+        """
+        index = next(i for i, (name, _, _) in enumerate(self._procs) if name == "kwok")
+        _, proc, _ = self._procs.pop(index)
+        proc.kill()
+        proc.wait()
 
     def _wait_nodes_ready(self) -> None:
         def all_ready() -> bool:

@@ -89,13 +89,13 @@ def test_chaos_node_not_ready_during_gang_restarts(control_plane, k8s_namespace,
     _next_attempt(api, "nrdy", 1)
     started = time.monotonic()
     for i in range(rounds):
-        control_plane.pause("kwok")
+        control_plane.stop_kwok()
         try:
             control_plane.set_pod_phase(k8s_namespace, "nrdy-node-1", "Failed", exit_code=1)
             wait_for(lambda: {p["metadata"]["labels"]["distflow.io/attempt"] for p in api.pods("nrdy")}
                      == {str(i + 2)}, 90, 0.2, what=f"attempt {i + 1} force-deleted")
         finally:
-            control_plane.pause("kwok", paused=False)
+            control_plane.start_kwok()
         status = _next_attempt(api, "nrdy", i + 2)
     print(f"\nCHAOS node NotReady (kubelet gone) x{rounds}: every restart completed, restarts "
           f"{status['restarts']}, {time.monotonic() - started:.1f}s")

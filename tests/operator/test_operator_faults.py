@@ -98,7 +98,7 @@ def test_pods_stuck_terminating_are_force_deleted_and_the_status_says_what_the_r
     api.create_job(example_job("stuck", runPolicy={"backoffSeconds": 0, "terminatingTimeoutSeconds": 0}))
     api.wait_running_gang("stuck", attempt=1, num_nodes=2)
     api.wait_phase("stuck", "Running")
-    control_plane.pause("kwok")  # the kubelets stop answering: deleted pods stay Terminating
+    control_plane.stop_kwok()  # the kubelets are gone: deleted pods stay Terminating
     try:
         control_plane.set_pod_phase(k8s_namespace, "stuck-node-1", "Failed", exit_code=1)
         # node 0 (running, 30 s grace) stays Terminating: the status names it once the operator has seen it so.
@@ -110,7 +110,7 @@ def test_pods_stuck_terminating_are_force_deleted_and_the_status_says_what_the_r
         wait_for(lambda: {p["metadata"]["labels"]["distflow.io/attempt"] for p in api.pods("stuck")} == {"2"}
                  and len(api.pods("stuck")) == 2, 60, what="attempt 1 force-deleted, attempt 2 created")
     finally:
-        control_plane.pause("kwok", paused=False)
+        control_plane.start_kwok()
     assert api.wait_phase("stuck", "Running", attempt=2, timeout_s=30)["restarts"] == 1
 
 
