@@ -50,9 +50,13 @@ class Replicas:
         holder = (lease.get("spec") or {}).get("holderIdentity") if status == 200 else None
         return int(holder.rsplit("-", 2)[1]) if holder else None
 
-    def kill_leader(self) -> bool:
+    def live_leader(self) -> subprocess.Popen | None:
+        """The replica holding the Lease, if it is alive (a killed one holds it until it expires)."""
         pid = self.leader_pid()
-        proc = next((p for p in self.procs if p.pid == pid and p.poll() is None), None)
+        return next((p for p in self.procs if p.pid == pid and p.poll() is None), None)
+
+    def kill_leader(self) -> bool:
+        proc = self.live_leader()
         if proc is None:
             return False
         proc.send_signal(signal.SIGKILL)
@@ -90,11 +94,14 @@ class PodObserver(threading.Thread):
         super().__init__(daemon=True)
         self.cp, self.ns, self.interval_s = control_plane, namespace, interval_s
         self.uids: dict[tuple[str, str, str], set[str]] = defaultdict(set)
-        self._stop = threading.Event()
+        self._done = threading.Event()
 
     def run(self) -> None:
-        while not self._stop.is_set():
-            status, body = self.cp.request("GET", f"/api/v1/namespaces/{self.ns}/pods")
+        while not self._done.is_set():
+            try:
+                status, body = self.cp.request("GET", f"/api/v1/namespaces/{self.ns}/pods")
+            except OSError:  # the API server is restarting
+                status, body = 0, {}
             for pod in body.get("items", []) if status == 200 else []:
                 labels = pod["metadata"].get("labels") or {}
                 if "distflow.io/job-name" in labels:
@@ -104,7 +111,7 @@ class PodObserver(threading.Thread):
             time.sleep(self.interval_s)
 
     def duplicates(self) -> int:
-        self._stop.set()
+        self._done.set()
         self.join(timeout=5)
         return sum(len(uids) - 1 for uids in self.uids.values())
 

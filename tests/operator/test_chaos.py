@@ -50,13 +50,18 @@ def test_chaos_leader_killed_at_random_points_mid_job(control_plane, k8s_namespa
     api.create_job(example_job("kill", runPolicy={"maxRestarts": 100, "backoffSeconds": 0}))
     _next_attempt(api, "kill", 1)
     started = time.monotonic()
-    for i in range(kills):
-        control_plane.set_pod_phase(k8s_namespace, f"kill-node-{rng.randrange(2)}", "Failed", exit_code=1)
-        time.sleep(rng.uniform(0.0, 1.0))  # anywhere from before the decision to mid-recreate
-        assert replicas.kill_leader(), "no live leader to kill"
-        replicas.start()
-        status = _next_attempt(api, "kill", i + 2)
-    duplicates = observer.duplicates()
+    try:
+        for i in range(kills):
+            # A killed leader holds the Lease until it expires; the dead one may have finished the
+            # last restart itself, so wait for the new one before the next fault.
+            wait_for(replicas.live_leader, 30, 0.2, what="a live replica holds the Lease")
+            control_plane.set_pod_phase(k8s_namespace, f"kill-node-{rng.randrange(2)}", "Failed", exit_code=1)
+            time.sleep(rng.uniform(0.0, 1.0))  # anywhere from before the decision to mid-recreate
+            assert replicas.kill_leader(), "the leader died on its own"
+            replicas.start()
+            status = _next_attempt(api, "kill", i + 2)
+    finally:
+        duplicates = observer.duplicates()
     lost = kills - status["restarts"]
     print(f"\nCHAOS leader killed x{replicas.kills} at random points: {duplicates} duplicate pods, {lost} lost "
           f"transitions (restarts {status['restarts']}, attempt {status['attempt']}), "
