@@ -21,7 +21,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 OPT_IN_TIERS = {
     "bench": "benchmark",
-    "chaos": "chaos loop (kill -9 and resume; minutes per trial on 2 cores)",
+    "chaos": "chaos loop (kill -9 and resume, the operator under control-plane faults; minutes on 2 cores)",
     "ray": "Ray launcher tier (a two-node Ray cluster; 4 actors importing torch per run, ~5 min on 2 cores)",
     "vllm": "vLLM tier (its own venv, SmolLM2 on vLLM's CPU build; ~10+ min on 2 cores)",
 }

@@ -26,6 +26,10 @@ def _parser() -> argparse.ArgumentParser:
                         help="seconds between full resyncs")
     parser.add_argument("--api-workers", type=int, default=defaults.api_workers,
                         help="threads making API calls")
+    parser.add_argument("--leader-election-namespace", default=defaults.leader_election_namespace,
+                        help="elect a leader through a Lease in this namespace (run several replicas)")
+    parser.add_argument("--lease-duration", type=float, default=defaults.lease_duration_s,
+                        help="seconds a leader's Lease lasts without renewal")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     return parser
 
@@ -34,7 +38,9 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
         config = OperatorConfig(metrics_port=args.metrics_port, progress_interval_s=args.progress_interval,
-                                resync_interval_s=args.resync_interval, api_workers=args.api_workers)
+                                resync_interval_s=args.resync_interval, api_workers=args.api_workers,
+                                leader_election_namespace=args.leader_election_namespace,
+                                lease_duration_s=args.lease_duration)
     except ValueError as err:
         print(f"distflow-operator: {err}", file=sys.stderr)
         return 2

@@ -18,18 +18,25 @@ class OperatorConfig:
     """How often every job is reconciled even without events."""
     api_workers: int = 16
     """Threads making API calls (pods of one job are created in parallel)."""
+    leader_election_namespace: str = ""
+    """Namespace of the Lease replicas elect a leader with ("": no election, one replica)."""
+    lease_duration_s: float = 15.0
+    """Seconds a leader's Lease is valid without renewal: how long a killed leader is missed."""
 
     def __post_init__(self) -> None:
         if not 0 <= self.metrics_port <= 65535:
             raise ValueError(f"metrics_port={self.metrics_port}: use 0 (off) or a port up to 65535")
         if self.progress_interval_s <= 0 or self.resync_interval_s <= 0:
             raise ValueError("progress_interval_s and resync_interval_s must be > 0 seconds")
+        if self.lease_duration_s < 1:
+            raise ValueError(f"lease_duration_s={self.lease_duration_s}: must be >= 1 second")
         if self.api_workers < 1:
             raise ValueError(f"api_workers={self.api_workers}: must be >= 1")
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] = os.environ) -> "OperatorConfig":
-        """DISTFLOW_OPERATOR_{METRICS_PORT,PROGRESS_INTERVAL,RESYNC_INTERVAL,API_WORKERS}.
+        """DISTFLOW_OPERATOR_{METRICS_PORT,PROGRESS_INTERVAL,RESYNC_INTERVAL,API_WORKERS,
+        LEADER_ELECTION_NAMESPACE,LEASE_DURATION}.
 
         Raises:
             ValueError: a variable is not a number, or out of range.
@@ -45,4 +52,6 @@ class OperatorConfig:
         return cls(metrics_port=get("METRICS_PORT", int, defaults.metrics_port),
                    progress_interval_s=get("PROGRESS_INTERVAL", float, defaults.progress_interval_s),
                    resync_interval_s=get("RESYNC_INTERVAL", float, defaults.resync_interval_s),
-                   api_workers=get("API_WORKERS", int, defaults.api_workers))
+                   api_workers=get("API_WORKERS", int, defaults.api_workers),
+                   leader_election_namespace=environ.get("DISTFLOW_OPERATOR_LEADER_ELECTION_NAMESPACE", ""),
+                   lease_duration_s=get("LEASE_DURATION", float, defaults.lease_duration_s))

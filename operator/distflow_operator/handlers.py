@@ -1,6 +1,7 @@
 """kopf handlers: thin glue from watch events to the reconciler.
 
-Only index and event handlers are used: neither makes kopf add a finalizer or
+Only index and event handlers are used (the pods go to the reconciler's own
+cache, which a periodic LIST corrects; see podcache.py): neither makes kopf add a finalizer or
 write bookkeeping, so a job can always be deleted, with or without a running
 operator (timers and daemons would need a finalizer; there is no delete
 handler). The storages are still set to the ``distflow.io`` annotation prefix
@@ -24,12 +25,15 @@ from prometheus_client import CollectorRegistry, ProcessCollector, start_http_se
 from distflow_operator import API_GROUP, API_VERSION, MANAGER, PLURAL
 from distflow_operator.config import OperatorConfig
 from distflow_operator.kube import KubeApi, client_configuration, kopf_login
+from distflow_operator.leader import LeaderElector
 from distflow_operator.metrics import OperatorMetrics
-from distflow_operator.observed import pod_view
+from distflow_operator.podcache import PodCache
 from distflow_operator.reconcile import Reconciler
 from distflow_operator.render import LABEL_JOB, LABEL_MANAGED_BY
 
 NODE_POD_LABELS = {LABEL_MANAGED_BY: MANAGER, LABEL_JOB: kopf.PRESENT}
+NODE_POD_SELECTOR = f"{LABEL_MANAGED_BY}={MANAGER},{LABEL_JOB}"
+"""The same filter, applied by the API server: other pods never reach the operator."""
 
 
 @dataclass
@@ -67,7 +71,8 @@ def configure(settings: kopf.OperatorSettings) -> None:
     settings.watching.client_timeout = 330
     settings.watching.connect_timeout = 30
     settings.networking.request_timeout = 60
-    # One replica (Deployment strategy Recreate); no peering objects needed.
+    settings.watching.label_selectors["v1", "pods"] = NODE_POD_SELECTOR
+    # No kopf peering: several replicas elect a leader through a Lease instead (leader.py).
     settings.peering.standalone = True
 
 
@@ -86,15 +91,21 @@ def login(**kwargs: Any) -> Any:
 
 @kopf.on.startup()
 async def start_operator(settings: kopf.OperatorSettings, memo: kopf.Memo, rljob_index: kopf.Index,
-                         node_pod_index: kopf.Index, logger: logging.Logger, **_: Any) -> None:
+                         logger: logging.Logger, **_: Any) -> None:
     configure(settings)
     config = memo.get("config") or OperatorConfig.from_env()
     metrics = OperatorMetrics()
     api = KubeApi(client_configuration(), pool_size=config.api_workers)
-    reconciler = Reconciler(api, rljob_index, node_pod_index, metrics, api_workers=config.api_workers)
+    reconciler = Reconciler(api, rljob_index, PodCache(), metrics, api_workers=config.api_workers,
+                            pod_selector=NODE_POD_SELECTOR)
     runtime = OperatorRuntime(api, reconciler, metrics)
     runtime.tasks = [asyncio.create_task(reconciler.resync_forever(config.resync_interval_s)),
                      asyncio.create_task(reconciler.scrape_forever(config.progress_interval_s))]
+    if config.leader_election_namespace:
+        elector = LeaderElector(api, config.leader_election_namespace, lease_duration_s=config.lease_duration_s,
+                                on_elected=reconciler.elected)
+        reconciler.is_leader = lambda: elector.is_leader
+        runtime.tasks.append(asyncio.create_task(elector.run(reconciler.call)))
     if config.metrics_port:
         runtime.metrics_server = _serve_metrics(config.metrics_port, metrics)
     memo["runtime"] = runtime
@@ -114,19 +125,19 @@ def rljob_index(namespace: str, name: str, body: kopf.Body, **_: Any) -> dict:
     return {(namespace, name): copy.deepcopy(dict(body))}
 
 
-@kopf.index("pods", labels=NODE_POD_LABELS)
-def node_pod_index(namespace: str, labels: kopf.Labels, body: kopf.Body, **_: Any) -> dict:
-    return {(namespace, labels[LABEL_JOB]): pod_view(body)}
-
-
 @kopf.on.event(API_GROUP, API_VERSION, PLURAL)
 async def job_changed(namespace: str, name: str, memo: kopf.Memo, **_: Any) -> None:
     memo["runtime"].reconciler.kick((namespace, name))
 
 
 @kopf.on.event("pods", labels=NODE_POD_LABELS)
-async def node_pod_changed(namespace: str, labels: kopf.Labels, memo: kopf.Memo, **_: Any) -> None:
-    memo["runtime"].reconciler.kick((namespace, labels[LABEL_JOB]))
+async def node_pod_changed(type: str | None, body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:  # noqa: A002
+    runtime = memo.get("runtime")
+    if runtime is None:
+        return  # startup not finished: the first resync lists these pods
+    key = runtime.reconciler.pods.observe(type, body)
+    if key is not None:
+        runtime.reconciler.kick(key)
 
 
 @kopf.on.probe(id="jobs")

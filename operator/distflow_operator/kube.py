@@ -42,6 +42,10 @@ class KubeApiError(RuntimeError):
         super().__init__(f"{method} {path} -> {status} {self.reason}: {body.get('message', body)}")
 
 
+class StatusConflict(RuntimeError):
+    """The job changed since the resourceVersion a status patch was computed from (409)."""
+
+
 class ChildConflict(RuntimeError):
     """A child's name is taken by an object this job does not control."""
 
@@ -87,6 +91,17 @@ def collection_path(api_version: str, kind: str, namespace: str) -> str:
 
 def job_path(namespace: str, name: str) -> str:
     return f"/apis/{API_GROUP}/{API_VERSION}/namespaces/{namespace}/{PLURAL}/{name}"
+
+
+POD_GROUP_FIELDS = ("minMember", "minResources", "queue", "priorityClassName")
+"""PodGroup spec fields the operator renders (render.build_pod_group); others belong to the scheduler."""
+
+
+def pod_group_patch(current: dict[str, Any], wanted: dict[str, Any]) -> dict[str, Any]:
+    """Merge patch bringing the operator's fields of a PodGroup spec to ``wanted`` ({} if in line)."""
+    patch: dict[str, Any] = {k: None for k in POD_GROUP_FIELDS if k in current and k not in wanted}
+    patch.update({k: v for k, v in wanted.items() if current.get(k) != v})
+    return patch
 
 
 def _controller_uid(obj: dict[str, Any]) -> str | None:
@@ -147,11 +162,30 @@ class KubeApi:
         if obj["kind"] == "ConfigMap" and current.get("data") != obj["data"]:
             self.request("PATCH", path, {"data": obj["data"]}, content_type="application/merge-patch+json",
                          query=[("fieldManager", MANAGER)])
+        if obj["kind"] == "PodGroup" and (patch := pod_group_patch(current.get("spec") or {}, obj["spec"])):
+            # spec.scheduling may change while the job is suspended; the gang must follow.
+            self.request("PATCH", path, {"spec": patch}, content_type="application/merge-patch+json",
+                         query=[("fieldManager", MANAGER)])
 
-    def delete_pod(self, namespace: str, name: str, uid: str) -> None:
-        """Delete one pod, only if it is still the object ``uid`` (gone already is fine)."""
-        self.request("DELETE", f"{collection_path('v1', 'Pod', namespace)}/{name}",
-                     {"preconditions": {"uid": uid}}, ok=(200, 202, 404, 409))
+    def delete_pod(self, namespace: str, name: str, uid: str) -> bool:
+        """Delete one pod, only if it is still the object ``uid``; True if it is gone already (404/409:
+        no pod of that name, or another object than ``uid`` holds it)."""
+        status, _ = self.request("DELETE", f"{collection_path('v1', 'Pod', namespace)}/{name}",
+                                 {"preconditions": {"uid": uid}}, ok=(200, 202, 404, 409))
+        return status in (404, 409)
+
+    def force_delete_pod(self, namespace: str, name: str, uid: str) -> bool:
+        """Delete with grace period 0: for a pod whose node will never confirm (as `kubectl delete
+        --force`); True if it is gone already."""
+        status, _ = self.request("DELETE", f"{collection_path('v1', 'Pod', namespace)}/{name}",
+                                 {"preconditions": {"uid": uid}, "gracePeriodSeconds": 0},
+                                 ok=(200, 202, 404, 409))
+        return status in (404, 409)
+
+    def list_pods(self, namespace: str, selector: str) -> list[dict[str, Any]]:
+        """Every pod in ``namespace`` matching the label ``selector`` (one LIST, not paged: a job's pods)."""
+        _, body = self.request("GET", collection_path("v1", "Pod", namespace), query=[("labelSelector", selector)])
+        return body.get("items") or []
 
     def delete_job(self, namespace: str, name: str, uid: str) -> None:
         """Delete the job; the garbage collector removes its children."""
@@ -159,12 +193,23 @@ class KubeApi:
                      {"preconditions": {"uid": uid}, "propagationPolicy": "Background"},
                      ok=(200, 202, 404, 409))
 
-    def patch_job_status(self, namespace: str, name: str, patch: dict[str, Any]) -> bool:
-        """Merge-patch the status subresource; False if the job is gone."""
-        status, _ = self.request("PATCH", f"{job_path(namespace, name)}/status", {"status": patch},
-                                 content_type="application/merge-patch+json",
-                                 query=[("fieldManager", MANAGER)], ok=(200, 404))
-        return status == 200
+    def patch_job_status(self, namespace: str, name: str, patch: dict[str, Any],
+                         resource_version: str | None = None) -> str | None:
+        """Merge-patch the status subresource, only if the job is still at ``resource_version``
+        (when given); returns the job's new resourceVersion, None if the job is gone.
+
+        Raises:
+            StatusConflict: the job was changed by someone else since ``resource_version``.
+        """
+        body: dict[str, Any] = {"status": patch}
+        if resource_version:
+            body["metadata"] = {"resourceVersion": resource_version}
+        status, answer = self.request("PATCH", f"{job_path(namespace, name)}/status", body,
+                                      content_type="application/merge-patch+json",
+                                      query=[("fieldManager", MANAGER)], ok=(200, 404, 409))
+        if status == 409:
+            raise StatusConflict(f"{KIND} {namespace}/{name} changed since resourceVersion {resource_version}")
+        return (answer.get("metadata") or {}).get("resourceVersion", "") if status == 200 else None
 
     def post_event(self, job: JobRef, event_type: str, reason: str, message: str) -> None:
         """Record a core/v1 Event on the job (what `kubectl describe rljob` shows)."""

@@ -8,16 +8,23 @@ spec once per reconcile with the same model ``distflow run`` uses.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any
+
+from pydantic import ValidationError
 
 from distflow.errors import DistflowConfigError
 from distflow.spec import JobSpec, parse_spec
 
 from distflow_operator.podspec import KUEUE_QUEUE_LABEL
 from distflow_operator.render import CONTAINER_NAME, LABEL_ATTEMPT, LABEL_RANK, template_problems
+
+
+DISRUPTION_REASONS = ("Evicted", "Preempted", "Preempting", "Terminated")
+"""Pod status reasons a kubelet or scheduler sets when it, not the workload, ended the pod."""
 
 
 def format_time(value: datetime) -> str:
@@ -54,6 +61,11 @@ class PodView:
     ready: bool = False
     deleting: bool = False
     """deletionTimestamp is set."""
+    deletion_time: datetime | None = None
+    """deletionTimestamp: when the grace period of a deleted pod ends."""
+    created: datetime | None = None
+    disrupted: bool = False
+    """Condition DisruptionTarget is True (preemption, eviction, taint manager) or the pod was evicted."""
     waiting_reason: str | None = None
     """Why the node container is not started yet (ErrImagePull, ...)."""
     exit_code: int | None = None
@@ -107,6 +119,9 @@ def pod_view(pod: Mapping[str, Any]) -> PodView:
         scheduled=conditions.get("PodScheduled") == "True" or bool(spec.get("nodeName")),
         ready=conditions.get("Ready") == "True",
         deleting=bool(meta.get("deletionTimestamp")),
+        deletion_time=parse_time(meta.get("deletionTimestamp")),
+        created=parse_time(meta.get("creationTimestamp")),
+        disrupted=conditions.get("DisruptionTarget") == "True" or status.get("reason") in DISRUPTION_REASONS,
         waiting_reason=waiting.get("reason"),
         exit_code=terminated.get("exitCode"),
         reason=status.get("reason") or terminated.get("reason"),
@@ -130,6 +145,8 @@ class JobView:
     """None when the spec is invalid (see problems)."""
     problems: tuple[str, ...] = ()
     """Why the spec can never work, each naming its field."""
+    unknown_fields: tuple[str, ...] = ()
+    """Spec fields this operator does not know (a newer CRD); ignored, reported in a condition."""
     status: Mapping[str, Any] = field(default_factory=dict)
     """The status as last written (by this operator)."""
     kueue_queue: str | None = None
@@ -142,10 +159,17 @@ def job_view(body: Mapping[str, Any], status: Mapping[str, Any] | None = None) -
     meta = body.get("metadata") or {}
     spec: JobSpec | None = None
     problems: tuple[str, ...] = ()
+    unknown: tuple[str, ...] = ()
     try:
         spec = parse_spec(body.get("spec"), root="spec")
     except DistflowConfigError as err:
         problems = tuple(err.problems)
+        pruned, unknown = _without_unknown_fields(body.get("spec"))
+        if unknown:
+            try:
+                spec, problems = parse_spec(pruned, root="spec"), ()
+            except DistflowConfigError as still:
+                problems = tuple(still.problems)
     if spec is not None and (template := template_problems(spec)):
         spec, problems = None, tuple(template)
     return JobView(
@@ -157,6 +181,34 @@ def job_view(body: Mapping[str, Any], status: Mapping[str, Any] | None = None) -
         deleting=bool(meta.get("deletionTimestamp")),
         spec=spec,
         problems=problems,
+        unknown_fields=unknown,
         status=dict(status if status is not None else body.get("status") or {}),
         kueue_queue=(meta.get("labels") or {}).get(KUEUE_QUEUE_LABEL) or None,
     )
+
+
+def _without_unknown_fields(spec: Any) -> tuple[Any, tuple[str, ...]]:
+    """(spec without the fields the spec model does not know, their paths).
+
+    Why: a CRD newer than this operator (upgrade order, or a rolled-back
+    operator) serves fields the model forbids; failing a running job over a
+    field this operator cannot act on anyway would turn a version skew into
+    an outage. Only unknown fields are dropped; every other problem still counts.
+    """
+    if not isinstance(spec, dict):
+        return spec, ()
+    try:
+        JobSpec.model_validate(spec)
+        return spec, ()
+    except ValidationError as err:
+        paths = [e["loc"] for e in err.errors() if e["type"] == "extra_forbidden"]
+    pruned = copy.deepcopy(spec)
+    for loc in paths:
+        parent = pruned
+        for key in loc[:-1]:
+            parent = parent[key] if isinstance(parent, dict) or isinstance(key, int) else None
+            if parent is None:
+                break
+        if isinstance(parent, dict):
+            parent.pop(loc[-1], None)
+    return pruned, tuple(".".join(["spec", *map(str, loc)]) for loc in paths)

@@ -8,7 +8,12 @@ discovery rules are read-only and cluster-scoped: kopf lists and watches
 namespaces and CRDs even when it serves one namespace, and without them it
 retries for about a minute before falling back.
 
-What is deliberately absent: no ``update`` anywhere (status and ConfigMaps are
+``update`` on Leases: leader election between replicas (leader.py).
+``update`` on ``rlposttrainjobs/finalizers``: children carry
+``blockOwnerDeletion: true``, which the OwnerReferencesPermissionEnforcement
+admission plugin allows only to who may update the owner's finalizers.
+
+What is deliberately absent: no other ``update`` (status and ConfigMaps are
 patched), no ``patch`` on jobs (the operator never writes spec or metadata), no
 ``list`` on Services/ConfigMaps (they are created by name), no Secrets, and the
 node pods get no rights at all.
@@ -21,14 +26,17 @@ from distflow_operator import API_GROUP, PLURAL
 OPERATOR_RULES: list[dict[str, list[str]]] = [
     {"apiGroups": [API_GROUP], "resources": [PLURAL], "verbs": ["get", "list", "watch", "delete"]},
     {"apiGroups": [API_GROUP], "resources": [f"{PLURAL}/status"], "verbs": ["get", "patch"]},
+    {"apiGroups": [API_GROUP], "resources": [f"{PLURAL}/finalizers"], "verbs": ["update"]},
     {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch", "create", "delete"]},
     {"apiGroups": [""], "resources": ["configmaps"], "verbs": ["get", "create", "patch"]},
     {"apiGroups": [""], "resources": ["services"], "verbs": ["get", "create"]},
     {"apiGroups": [""], "resources": ["events"], "verbs": ["create"]},
+    {"apiGroups": ["coordination.k8s.io"], "resources": ["leases"], "verbs": ["get", "create", "update"]},
     {"apiGroups": ["scheduling.volcano.sh", "scheduling.x-k8s.io"], "resources": ["podgroups"],
-     "verbs": ["get", "create"]},
+     "verbs": ["get", "create", "patch"]},
 ]
-"""delete on jobs: ttlSecondsAfterFinished. get on the others: adopting what a 409 says exists."""
+"""delete on jobs: ttlSecondsAfterFinished. get on the others: adopting what a 409 says exists.
+patch on podgroups: the PodGroup follows scheduling edits."""
 
 KOPF_DISCOVERY_RULES: list[dict[str, list[str]]] = [
     {"apiGroups": [""], "resources": ["namespaces"], "verbs": ["list", "watch"]},

@@ -6,11 +6,14 @@ Level-based, like a controller-runtime work queue:
   time, and kicks that arrive meanwhile coalesce into one more pass. kopf's
   watch events (job or any of its pods changed) kick; so do a periodic resync
   and the decisions' own ``requeue_after`` (backoff, deadline, TTL).
-- Reads come from kopf's in-memory indices (the watch caches), never from
-  list calls. The cache may lag the operator's own writes; that is safe
-  because creates are idempotent (409 = exists), deletes carry a uid
-  precondition, and the status the operator wrote last is remembered and
-  preferred over a stale copy of it.
+- Reads come from in-memory caches: kopf's job index and the pod cache
+  (podcache.py), fed by watch events and replaced every resync by a LIST of
+  distflow's pods, so a pod deleted while a watch was down cannot linger.
+  The caches may lag the operator's own writes; that is safe because
+  creates are idempotent (409 = exists), deletes carry a uid precondition,
+  and the status the operator wrote last is remembered and preferred over
+  an older copy of the job (never over a newer one); status patches carry
+  the job's resourceVersion, so a concurrent writer makes it decide again.
 - The status (attempt, restarts, times) is written *before* pods are created
   or deleted, so a crash between the two leaves a state the next pass
   completes rather than repeats.
@@ -30,10 +33,11 @@ from typing import Any
 
 import aiohttp
 
-from distflow_operator.kube import ChildConflict, KubeApi, KubeApiError
+from distflow_operator.kube import ChildConflict, KubeApi, KubeApiError, StatusConflict
 from distflow_operator.metrics import JobSample, OperatorMetrics
 from distflow_operator.observed import JobView, PodView, job_view, parse_time
-from distflow_operator.policy import Decision, decide, run_state
+from distflow_operator.podcache import PodCache
+from distflow_operator.policy import Decision, Rejection, decide, run_state
 from distflow_operator.progress import scrape_progress
 from distflow_operator.render import (
     JobRef, build_config_map, build_headless_service, build_node_pod, build_pod_group,
@@ -44,6 +48,24 @@ logger = logging.getLogger("distflow_operator")
 JobKey = tuple[str, str]
 """(namespace, name)"""
 MAX_ERROR_BACKOFF_S = 60.0
+EVENT_DEDUP_S = 600.0
+CONFLICT_RETRY_S = 0.5
+REJECTED_RETRY_S = 0.5
+"""First retry after the API server refused the node pods; doubles with each refusal."""
+MAX_REJECTED_RETRY_S = 10.0
+REFUSED_CREATE_ERRORS = (400, 403, 422)
+"""Answers that refuse a pod creation (bad volume, PodSecurity, quota): remembered as a policy.Rejection,
+reported in the status and bounded by the policy, never retried silently."""
+
+
+def _newer(a: str | None, b: str | None) -> str | None:
+    """The later of two resourceVersions (etcd revisions; opaque by contract, numeric in practice)."""
+    if not a or not b:
+        return a or b
+    try:
+        return a if int(a) >= int(b) else b
+    except ValueError:
+        return b
 
 
 @dataclass
@@ -58,6 +80,12 @@ class _JobMemory:
     """Pods of seen_attempt observed so far: one that vanishes was lost."""
     progress: dict[str, Any] | None = None
     """Last progress scraped from node 0."""
+    resource_version: str | None = None
+    """The job's resourceVersion after our last status write."""
+    rejected: Rejection | None = None
+    """The API server's refusals of the node pods (4xx) since it last accepted one."""
+    posted: dict[tuple[str, str, str], float] = field(default_factory=dict)
+    """Events posted recently -> when: the same event is not posted again within EVENT_DEDUP_S."""
 
     def lost(self, attempt: int, pods: Iterable[PodView]) -> set[str]:
         names = {p.name for p in pods if p.attempt == attempt}
@@ -86,13 +114,19 @@ class Reconciler:
 
     Args:
         jobs: (namespace, name) -> collection holding the job object (kopf index).
-        pods: (namespace, job name) -> collection of the job's PodViews (kopf index).
+        pods: the node pod cache the watch feeds; relisted every resync with ``pod_selector``.
     """
 
-    def __init__(self, api: KubeApi, jobs: Mapping[JobKey, Any], pods: Mapping[JobKey, Any],
-                 metrics: OperatorMetrics, *, api_workers: int = 16,
+    def __init__(self, api: KubeApi, jobs: Mapping[JobKey, Any], pods: PodCache,
+                 metrics: OperatorMetrics, *, api_workers: int = 16, pod_selector: str = "",
                  clock: Callable[[], datetime] = lambda: datetime.now(timezone.utc)):
-        self._api, self._jobs, self._pods, self._metrics, self._clock = api, jobs, pods, metrics, clock
+        self._api, self._jobs, self._metrics, self._clock = api, jobs, metrics, clock
+        self.pods = self._pods = pods
+        self._pod_selector = pod_selector
+        self._listed_namespaces: set[str] = set()
+        """Namespaces whose pods a LIST has answered for: before that, an empty cache is not 'no pods'."""
+        self.is_leader: Callable[[], bool] = lambda: True
+        """False while another replica holds the leader Lease: watch, but do not act."""
         self._pool = ThreadPoolExecutor(api_workers, thread_name_prefix="distflow-api")
         self._memory: dict[JobKey, _JobMemory] = {}
         self._queue: dict[JobKey, _QueueEntry] = {}
@@ -146,11 +180,26 @@ class Reconciler:
 
     # -- one pass --------------------------------------------------------------------------
 
-    async def _call(self, fn: Callable[..., Any], *args: Any) -> Any:
+    async def call(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """Run a blocking API call on the reconciler's thread pool."""
         return await asyncio.get_running_loop().run_in_executor(self._pool, functools.partial(fn, *args))
+    def kick_all(self) -> None:
+        for key in list(self._jobs):
+            self.kick(key)
+
+    def elected(self) -> None:
+        """This replica leads (again): what it remembered may be stale, so start from the API's state."""
+        for memory in self._memory.values():
+            memory.status, memory.resource_version = None, None
+        self.kick_all()
 
     async def reconcile(self, key: JobKey) -> float | None:
         """One pass for job ``key``; returns seconds until a time-based decision is due."""
+        if not self.is_leader():
+            return None  # the leader reconciles; kick_all runs when this replica is elected
+        if self._pod_selector and key[0] not in self._listed_namespaces:
+            # The first resync may have run before the job index knew this job's namespace.
+            await self._list_pods({key[0]})
         body = _first(self._jobs.get(key))
         if body is None:
             self.forget(key)
@@ -159,29 +208,68 @@ class Reconciler:
         memory = self._memory.get(key)
         if memory is None or memory.uid != uid:
             memory = self._memory[key] = _JobMemory(uid)
-        job = job_view(body, memory.status)
+        body_version = body["metadata"].get("resourceVersion")
+        # Our last write wins over a watch that has not delivered it yet, never over a newer object.
+        ours = _newer(memory.resource_version, body_version) == memory.resource_version
+        job = job_view(body, memory.status if ours else None)
+        if job.deleting:
+            return None  # the garbage collector removes the children; the status stays as it was
         pods = [p for p in self._pods.get(key, ()) if p.owner_uid == uid]
         now = self._clock()
-        decision = decide(job, pods, now, memory.lost(run_state(job.status, pods).attempt, pods))
+        lost = memory.lost(run_state(job.status, pods).attempt, pods)
+        disrupted = self._pods.disrupted(key) if lost and isinstance(self._pods, PodCache) else ()
+        decision = decide(job, pods, now, lost, memory.rejected, disrupted)
         new = compute_status(job, pods, decision, now, memory.progress)
         if new != job.status:
-            patch = status_patch(job.status, new)
-            if not await self._call(self._api.patch_job_status, job.namespace, job.name, patch):
+            version = _newer(memory.resource_version, body_version)
+            try:
+                written = await self.call(self._api.patch_job_status, job.namespace, job.name,
+                                           status_patch(job.status, new), version)
+            except StatusConflict:
+                # Someone else changed the job (a spec edit, another replica): decide again on fresh data.
+                memory.status, memory.resource_version = None, None
+                return CONFLICT_RETRY_S
+            if written is None:
                 self.forget(key)
                 return None
+            memory.resource_version = written
             self._observe_transition(job.status, new, now)
             await self._post_events(job, transition_events(job.status, new))
         memory.status = new
         # Right after the status it mirrors: a reader who sees the new phase in status sees it here too.
         self._metrics.record_job(job.namespace, job.name, JobSample(
             new["phase"], new.get("restarts", 0), new.get("readyNodes", 0), new.get("desiredNodes", 0)))
+        if await self._act(job, memory, decision, now) is False:
+            # The next pass reports the refusal in the status and tries again, or fails the job.
+            retry = min(REJECTED_RETRY_S * 2.0 ** (memory.rejected.tries - 1), MAX_REJECTED_RETRY_S)
+            return min(retry, decision.requeue_after or retry)
+        return decision.requeue_after
+
+    async def _act(self, job: JobView, memory: _JobMemory, decision: Decision, now: datetime) -> bool:
+        """Apply the decision; False when the API server refused the pods (4xx), which is
+        remembered for the policy (policy.Rejection) instead of being retried silently.
+
+        Raises:
+            KubeApiError, ChildConflict: anything else; the pass is retried with backoff.
+        """
         try:
             await self._apply(job, decision)
-        except (KubeApiError, ChildConflict) as err:
-            # Users read `kubectl describe rljob`, not operator logs; the pass is retried with backoff.
+        except KubeApiError as err:
+            if decision.create_ranks and err.status in REFUSED_CREATE_ERRORS:
+                last = memory.rejected
+                memory.rejected = Rejection(last.tries + 1 if last else 1, err.status, str(err),
+                                            last.since if last else now)
+                await self._post_events(job, [("Warning", "PodCreationRejected", str(err))])
+                return False
             await self._post_events(job, [("Warning", "ReconcileError", str(err))])
             raise
-        return decision.requeue_after
+        except ChildConflict as err:
+            # Users read `kubectl describe rljob`, not operator logs.
+            await self._post_events(job, [("Warning", "ReconcileError", str(err))])
+            raise
+        if decision.create_ranks:
+            memory.rejected = None
+        return True
 
     def _observe_transition(self, old: Mapping[str, Any], new: Mapping[str, Any], now: datetime) -> None:
         added = (new.get("restarts") or 0) - (old.get("restarts") or 0)
@@ -194,20 +282,36 @@ class Reconciler:
 
     async def _post_events(self, job: JobView, events: list[tuple[str, str, str]]) -> None:
         owner = JobRef(job.name, job.namespace, job.uid)
+        memory = self._memory.get((job.namespace, job.name))
+        now = asyncio.get_running_loop().time()
         for event_type, reason, message in events:
+            if memory is not None:
+                # A failure retried with backoff would otherwise post the same Event every pass.
+                memory.posted = {k: t for k, t in memory.posted.items() if now - t < EVENT_DEDUP_S}
+                if (event_type, reason, message) in memory.posted:
+                    continue
+                memory.posted[(event_type, reason, message)] = now
             try:
-                await self._call(self._api.post_event, owner, event_type, reason, message)
+                await self.call(self._api.post_event, owner, event_type, reason, message)
             except Exception as err:  # events are best effort; never fail a reconcile for one
                 logger.warning("event %s on %s/%s not recorded: %s", reason, job.namespace, job.name, err)
 
     async def _apply(self, job: JobView, decision: Decision) -> None:
         if decision.delete_pods:
-            await asyncio.gather(*(self._call(self._api.delete_pod, job.namespace, p.name, p.uid)
-                                   for p in decision.delete_pods))
+            gone = await asyncio.gather(*(self.call(self._api.delete_pod, job.namespace, p.name, p.uid)
+                                          for p in decision.delete_pods))
+            # No watch event will ever say so for a pod that is already gone: drop it now.
+            if any(self._pods.forget(p.uid) for p, was_gone in zip(decision.delete_pods, gone, strict=True)
+                   if was_gone):
+                self.kick((job.namespace, job.name))
+        for pod in decision.force_delete_pods:
+            logger.warning("%s/%s: pod %s still Terminating past its timeout; force-deleting it",
+                           job.namespace, job.name, pod.name)
+            await self.call(self._api.force_delete_pod, job.namespace, pod.name, pod.uid)
         if decision.create_ranks:
             await self._create_pods(job, decision)
         if decision.delete_job:
-            await self._call(self._api.delete_job, job.namespace, job.name, job.uid)
+            await self.call(self._api.delete_job, job.namespace, job.name, job.uid)
 
     async def _create_pods(self, job: JobView, decision: Decision) -> None:
         owner = JobRef(job.name, job.namespace, job.uid, job.kueue_queue)
@@ -216,21 +320,36 @@ class Reconciler:
                     build_pod_group(spec, owner)]
         for child in children:
             if child is not None:
-                await self._call(self._api.ensure, child, owner)
+                await self.call(self._api.ensure, child, owner)
         pods = [build_node_pod(spec, owner, rank, attempt) for rank in decision.create_ranks]
-        created = await asyncio.gather(*(self._call(self._api.create, pod) for pod in pods))
+        created = await asyncio.gather(*(self.call(self._api.create, pod) for pod in pods))
         if any(created):
             await self._post_events(job, [("Normal", "CreatedNodePods",
                                            f"created {sum(created)} node pods for attempt {attempt}")])
 
     # -- background loops ------------------------------------------------------------------
 
+    async def relist_pods(self) -> None:
+        """LIST distflow's pods in every namespace with jobs and replace the pod cache with the answer."""
+        await self._list_pods({ns for ns, _ in list(self._jobs)})
+
+    async def _list_pods(self, namespaces: set[str]) -> None:
+        mark = self._pods.begin_list()
+        listed = await asyncio.gather(*(self.call(self._api.list_pods, ns, self._pod_selector)
+                                        for ns in sorted(namespaces)))
+        for key in self._pods.replace(mark, [pod for items in listed for pod in items], namespaces):
+            self.kick(key)
+        self._listed_namespaces |= namespaces
+
     async def resync_forever(self, interval_s: float) -> None:
-        """Kick every known job periodically: heals anything a missed event left behind."""
+        """Relist pods and kick every known job periodically: heals what a missed event left behind."""
         while True:
+            try:
+                await self.relist_pods()
+            except Exception as err:  # the API server may be restarting; the next resync lists again
+                logger.warning("pod relist failed: %s", err)
+            self.kick_all()
             await asyncio.sleep(interval_s)
-            for key in list(self._jobs):
-                self.kick(key)
 
     def _scrape_targets(self) -> list[tuple[JobKey, str, int]]:
         targets = []

@@ -13,7 +13,10 @@ Phases::
 - Running: every node pod runs (or has already exited 0).
 - Restarting: from a gang restart until the new attempt runs on every node.
 
-Conditions follow ``metav1.Condition``: all five types are always present
+VersionSkew is True when the operator ignores fields it does not know
+(a CRD newer than the operator) or cannot read a started job's spec at all.
+
+Conditions follow ``metav1.Condition``: all six types are always present
 (``kubectl wait --for=condition=Succeeded`` works from the start); a
 condition's ``lastTransitionTime`` moves only when its status flips.
 ``status`` is written only when it changed, so a steady job costs no writes.
@@ -32,7 +35,7 @@ from distflow_operator.observed import JobView, PodView, format_time
 from distflow_operator.policy import Decision
 
 PHASES = ("Pending", "Starting", "Running", "Restarting", "Succeeded", "Failed", "Suspended")
-CONDITION_TYPES = ("Ready", "Restarting", "Suspended", "Succeeded", "Failed")
+CONDITION_TYPES = ("Ready", "Restarting", "Suspended", "Succeeded", "Failed", "VersionSkew")
 
 
 class _Status(BaseModel):
@@ -42,7 +45,7 @@ class _Status(BaseModel):
 
 class Condition(_Status):
     type: str
-    """Ready, Restarting, Suspended, Succeeded or Failed."""
+    """Ready, Restarting, Suspended, Succeeded, Failed or VersionSkew."""
     status: Literal["True", "False", "Unknown"]
     reason: str = Field(min_length=1)
     """CamelCase reason of the last change."""
@@ -79,6 +82,8 @@ class JobStatus(_Status):
     """Gang attempt: every node pod carries label distflow.io/attempt with it."""
     restarts: int = 0
     """Gang restarts after failures."""
+    disruptions: int = 0
+    """Gang restarts after disruptions (preemption, eviction) or Ignore exit codes; not in restarts."""
     desired_nodes: int = 0
     """spec.cluster.numNodes."""
     ready_nodes: int = 0
@@ -117,6 +122,8 @@ def _explain(job: JobView, decision: Decision, phase: str, counts: tuple[int, in
     outcome = decision.terminal or decision.restart
     if outcome:
         return outcome.reason, outcome.message
+    if decision.waiting and phase in ("Pending", "Starting", "Restarting"):
+        return decision.waiting
     if phase == "Restarting":
         return job.status.get("reason") or "NodeFailed", job.status.get("message") or ""
     return {
@@ -137,8 +144,18 @@ def _condition(prev: Mapping[str, Mapping[str, Any]], ctype: str, true: bool, re
                      ).model_dump(exclude_none=True)
 
 
+def _version_skew(job: JobView, decision: Decision) -> tuple[bool, str, str]:
+    if decision.held:
+        return True, decision.held.reason, decision.held.message
+    if job.unknown_fields:
+        return True, "UnknownFields", (
+            f"ignoring fields this operator does not know: {', '.join(job.unknown_fields)}; "
+            "upgrade the operator to the CRD's version")
+    return False, "SpecRead", ""
+
+
 def _conditions(job: JobView, phase: str, reason: str, message: str, ready: int, desired: int,
-                now: datetime) -> list[dict[str, Any]]:
+                now: datetime, skew: tuple[bool, str, str]) -> list[dict[str, Any]]:
     prev = {c.get("type"): c for c in job.status.get("conditions") or []}
     stamp = format_time(now)
     all_ready = phase == "Running" and ready == desired
@@ -146,6 +163,9 @@ def _conditions(job: JobView, phase: str, reason: str, message: str, ready: int,
              "Succeeded": phase == "Succeeded", "Failed": phase == "Failed"}
     out = []
     for ctype in CONDITION_TYPES:
+        if ctype == "VersionSkew":
+            out.append(_condition(prev, ctype, *skew, job.generation, stamp))
+            continue
         if ctype == "Ready":
             why = ("AllNodesReady" if all_ready else "NodesNotReady", f"{ready}/{desired} nodes ready")
         else:
@@ -175,6 +195,13 @@ def compute_status(job: JobView, pods: Sequence[PodView], decision: Decision, no
             or None; earlier progress is kept when None.
     """
     state = decision.state
+    if decision.held:
+        held = {"phase": "Pending", **job.status}
+        held["conditions"] = [c for c in job.status.get("conditions") or [] if c.get("type") != "VersionSkew"]
+        held["conditions"].append(_condition(
+            {c.get("type"): c for c in job.status.get("conditions") or []}, "VersionSkew",
+            *_version_skew(job, decision), job.generation, format_time(now)))
+        return held
     desired = job.spec.cluster.num_nodes if job.spec else 0
     current = [p for p in pods if p.attempt == state.attempt and not p.deleting]
     running = sum(p.phase in ("Running", "Succeeded") for p in current)
@@ -184,13 +211,15 @@ def compute_status(job: JobView, pods: Sequence[PodView], decision: Decision, no
     reason, message = _explain(job, decision, phase, (desired, running, scheduled))
     status = JobStatus(
         phase=phase, reason=reason, message=message, observed_generation=job.generation,
-        attempt=state.attempt, restarts=state.restarts, desired_nodes=desired, ready_nodes=ready,
+        attempt=state.attempt, restarts=state.restarts, disruptions=state.disruptions,
+        desired_nodes=desired, ready_nodes=ready,
         nodes=f"{ready}/{desired}",
         start_time=format_time(state.start_time) if state.start_time else None,
         completion_time=format_time(state.completion_time) if state.completion_time else None,
         last_restart_time=format_time(state.last_restart_time) if state.last_restart_time else None,
         progress=_progress(job, scraped, phase),
-        conditions=_conditions(job, phase, reason, message, ready, desired, now),
+        conditions=_conditions(job, phase, reason, message, ready, desired, now,
+                               _version_skew(job, decision)),
     )
     return status.model_dump(exclude_none=True)
 
@@ -206,6 +235,10 @@ def transition_events(old: Mapping[str, Any], new: Mapping[str, Any]) -> list[tu
     """(type, reason, message) events worth recording for a status change: restarts and
     phase changes users act on (Pending/Starting churn is left to the status)."""
     events = []
+    skew = {c["type"]: c for c in new.get("conditions") or []}.get("VersionSkew")
+    was = {c["type"]: c for c in old.get("conditions") or []}.get("VersionSkew") or {}
+    if skew and skew["status"] == "True" and (was.get("status"), was.get("reason")) != ("True", skew["reason"]):
+        events.append(("Warning", skew["reason"], skew["message"]))
     reason, message = new.get("reason") or new["phase"], new.get("message") or ""
     if (new.get("restarts") or 0) > (old.get("restarts") or 0):
         events.append(("Warning", reason, message))

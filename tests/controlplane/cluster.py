@@ -244,7 +244,7 @@ class ControlPlane:
     def _spawn(self, name: str, args: list[str]) -> subprocess.Popen:
         assert self.workdir is not None
         log_path = self.workdir / f"{name}.log"
-        with open(log_path, "wb") as log:
+        with open(log_path, "ab") as log:
             proc = subprocess.Popen([str(self.bin_dir / name), *args], stdout=log,
                                     stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                     cwd=self.workdir, preexec_fn=_pdeathsig_hook())  # noqa: PLW1509
@@ -291,9 +291,9 @@ class ControlPlane:
 
         self._wait("etcd", healthy)
 
-    def _start_apiserver(self) -> None:
+    def _start_apiserver(self, port: int | None = None) -> None:
         assert self.workdir is not None
-        port = free_port()
+        port = port or free_port()
         self.server = f"https://127.0.0.1:{port}"
         (self.workdir / "tokens.csv").write_text(f'{self.token},admin,admin-uid,"system:masters"\n')
         w = self.workdir
@@ -307,6 +307,8 @@ class ControlPlane:
             f"--service-account-signing-key-file={w / 'sa.key'}",
             f"--token-auth-file={w / 'tokens.csv'}", "--authorization-mode=Node,RBAC",
             f"--service-cluster-ip-range={SERVICE_CIDR}", "--allow-privileged=true",
+            # As on hardened clusters: setting blockOwnerDeletion needs update on the owner's finalizers.
+            "--enable-admission-plugins=OwnerReferencesPermissionEnforcement",
             # A loopback advertise address is refused by the endpoint reconciler;
             # nothing runs in-cluster, so the `kubernetes` Service needs no endpoints.
             "--endpoint-reconciler-type=none", "--v=1",
@@ -314,6 +316,24 @@ class ControlPlane:
         self.kubeconfig = self.workdir / "admin.kubeconfig"
         self.kubeconfig.write_text(kubeconfig_text(self.server, self.ca_file, self.token))
         self._wait("kube-apiserver", lambda: self.request("GET", "/readyz")[0] == 200)
+
+    def restart_apiserver(self, while_down: Any = None) -> None:
+        """Stop kube-apiserver (SIGTERM), run ``while_down()`` if given, start it again on the same
+        port and wait for /readyz. Clients keep their kubeconfig; their watches break."""
+        index = next(i for i, (name, _, _) in enumerate(self._procs) if name == "kube-apiserver")
+        _, proc, _ = self._procs.pop(index)
+        _terminate(proc, self.stop_timeout_s)
+        if while_down is not None:
+            while_down()
+        self._start_apiserver(port=int(self.server.rsplit(":", 1)[1]))
+
+    def etcd(self, method: str, body: dict[str, Any]) -> dict[str, Any]:
+        """One call to etcd's v3 JSON gateway, e.g. ``etcd("kv/range", {"key": b64})``: tests use it to
+        change storage behind the API server's back (a missed delete, a compaction)."""
+        req = urllib.request.Request(f"{self._etcd_url}/v3/{method}", data=json.dumps(body).encode(),
+                                     method="POST", headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=10) as resp:
+            return json.load(resp)
 
     def _start_controllers(self) -> None:
         assert self.workdir is not None
@@ -329,12 +349,29 @@ class ControlPlane:
         stages = [s for s in yaml.safe_load_all(KWOK_STAGES.read_text())
                   if self.pods_become_running or s["metadata"]["name"] != "pod-ready"]
         (w / "kwok.yaml").write_text(yaml.safe_dump_all(stages))
+        self.start_kwok()
+
+    def start_kwok(self) -> None:
+        """Start kwok, the kubelet of every fake node (again, after :meth:`stop_kwok`)."""
+        assert self.workdir is not None
         key, value = KWOK_NODE_ANNOTATION
         self._spawn("kwok", [
-            kc, f"--config={w / 'kwok.yaml'}", "--manage-all-nodes=false",
-            f"--manage-nodes-with-annotation-selector={key}={value}",
+            f"--kubeconfig={self.kubeconfig}", f"--config={self.workdir / 'kwok.yaml'}",
+            "--manage-all-nodes=false", f"--manage-nodes-with-annotation-selector={key}={value}",
             "--node-lease-duration-seconds=40",
         ])
+
+    def stop_kwok(self) -> None:
+        """Kill kwok: the nodes' kubelets are gone, so deleted pods stay Terminating.
+
+        Unlike a paused (SIGSTOP) kwok, a restarted one starts from a fresh LIST:
+        kwok deletes pods by name, without the uid precondition a kubelet uses, so a
+        paused kwok's backlog would delete a new pod that reuses a deleted one's name.
+        """
+        index = next(i for i, (name, _, _) in enumerate(self._procs) if name == "kwok")
+        _, proc, _ = self._procs.pop(index)
+        proc.kill()
+        proc.wait()
 
     def _wait_nodes_ready(self) -> None:
         def all_ready() -> bool:

@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 import yaml
 
-from distflow_operator import API_GROUP, API_VERSION, CRD_NAME, PLURAL
+from distflow_operator import API_GROUP, API_VERSION, CRD_NAME, KIND, PLURAL
 from distflow_operator.rbac import KOPF_DISCOVERY_RULES, OPERATOR_RULES
 
 REPO = Path(__file__).resolve().parents[2]
@@ -33,15 +33,18 @@ OPERATOR_SA = "distflow-operator"
 
 
 def wait_for(predicate: Callable[[], Any], timeout_s: float = 30.0, interval_s: float = 0.1,
-             what: str = "") -> Any:
-    """Poll until predicate() is truthy; return its value or raise TimeoutError."""
+             what: str | Callable[[], str] = "") -> Any:
+    """Poll until predicate() is truthy; return its value or raise TimeoutError.
+
+    ``what`` names the condition; a callable is called at the timeout (to say what was seen then).
+    """
     deadline = time.monotonic() + timeout_s
     while True:
         value = predicate()
         if value:
             return value
         if time.monotonic() > deadline:
-            raise TimeoutError(f"not met within {timeout_s}s: {what or predicate}")
+            raise TimeoutError(f"not met within {timeout_s}s: {(what() if callable(what) else what) or predicate}")
         time.sleep(interval_s)
 
 
@@ -118,11 +121,18 @@ class Api:
             status = self.status(job)
             return status if status.get("phase") == phase and all(
                 status.get(k) == v for k, v in fields.items()) else None
-        return wait_for(ready, timeout_s, what=f"{job} phase {phase} {fields} (now {self.status(job)})")
+        return wait_for(ready, timeout_s, what=lambda: f"{job} phase {phase} {fields} (now {self.status(job)})")
 
     def wait_running_gang(self, job: str, attempt: int, num_nodes: int, timeout_s: float = 30.0) -> list[dict]:
         return wait_for(lambda: (p := self.live_pods(job, attempt, "Running")) and len(p) == num_nodes and p,
-                        timeout_s, what=f"{num_nodes} running pods of {job} attempt {attempt}")
+                        timeout_s, what=lambda: f"{num_nodes} running pods of {job} attempt {attempt} (now "
+                        f"{self.pod_summary(job)}; status {self.status(job)})")
+
+    def pod_summary(self, job: str) -> list[tuple[str, str, str, str, bool]]:
+        """(name, attempt, node, phase, deleting) of each of the job's pods."""
+        return [(p["metadata"]["name"], p["metadata"]["labels"].get("distflow.io/attempt", "?"),
+                 p["spec"].get("nodeName", ""), p.get("status", {}).get("phase", "?"),
+                 bool(p["metadata"].get("deletionTimestamp"))) for p in self.pods(job)]
 
 
 @pytest.fixture(scope="session")
@@ -139,7 +149,41 @@ def crd(control_plane) -> str:
                               expect=(201, 409))
     # Discovery caches of the apiserver need a moment before the new resource is served.
     wait_for(lambda: control_plane.kubectl("get", "rljob", "-A").returncode == 0, 30, what="rljob served")
+    wait_admission_maps_the_kind(control_plane)
     return CRD_NAME
+
+
+ADMISSION_PROBE_USER = "distflow-admission-probe"
+
+
+def wait_admission_maps_the_kind(control_plane: Any, timeout_s: float = 45.0) -> None:
+    """Wait until OwnerReferencesPermissionEnforcement admits children of an RLPostTrainJob.
+
+    That admission plugin maps an owner's kind through its own discovery cache,
+    which kube-apiserver refreshes every 30 s: for up to 30 s after a CRD is
+    installed, a child with ``blockOwnerDeletion`` is refused (403 "cannot find
+    RESTMapping") to anyone short of cluster admin. The operator rides that out
+    (a 403 is retried for runPolicy.podErrorGraceSeconds); waiting here keeps
+    every test's time budget free of it, whichever test runs first.
+    """
+    binding = {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRoleBinding",
+               "metadata": {"name": ADMISSION_PROBE_USER},
+               "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": OPERATOR_ROLE},
+               "subjects": [{"apiGroup": "rbac.authorization.k8s.io", "kind": "User", "name": ADMISSION_PROBE_USER}]}
+    control_plane.request("POST", "/apis/rbac.authorization.k8s.io/v1/clusterrolebindings", binding,
+                          expect=(201, 409))
+    child = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {
+        "name": "admission-probe", "namespace": "default", "ownerReferences": [{
+            "apiVersion": f"{API_GROUP}/{API_VERSION}", "kind": KIND, "name": "probe",
+            "uid": "00000000-0000-0000-0000-000000000000", "controller": True, "blockOwnerDeletion": True}]}}
+
+    def admitted() -> bool:
+        out = control_plane.kubectl("create", "--dry-run=server", f"--as={ADMISSION_PROBE_USER}", "-f", "-",
+                                    input=json.dumps(child))
+        assert out.returncode == 0 or "cannot find RESTMapping" in out.stderr, out.stderr
+        return out.returncode == 0
+
+    wait_for(admitted, timeout_s, 1.0, what="admission maps RLPostTrainJob (its discovery refreshes every 30 s)")
 
 
 def operator_kubeconfig(control_plane: Any, namespace: str, directory: Path) -> Path:

@@ -14,6 +14,7 @@ import yaml
 from distflow_operator.kube import ChildConflict
 from distflow_operator.metrics import OperatorMetrics
 from distflow_operator.observed import pod_view
+from distflow_operator.podcache import PodCache
 from distflow_operator.reconcile import Reconciler
 
 pytestmark = pytest.mark.unit
@@ -31,12 +32,12 @@ class FakeApi:
         self.jobs: dict = {}
         self.taken: set[str] = set()
 
-    def patch_job_status(self, namespace, name, patch):
+    def patch_job_status(self, namespace, name, patch, resource_version=None):
         self.calls.append(("status", patch.get("phase"), patch.get("attempt")))
         if self.update_index_status:
             body = self.jobs[(namespace, name)][0]
             body["status"] = {k: v for k, v in {**body.get("status", {}), **patch}.items() if v is not None}
-        return True
+        return str(len(self.calls))
 
     def ensure(self, obj, owner):
         self.calls.append(("ensure", obj["kind"]))
@@ -203,3 +204,97 @@ def test_each_requeue_after_wakes_the_job_again():
     asyncio.run(scenario())
     assert len(runs) == 4
     assert all(b - a >= 0.09 for a, b in itertools.pairwise(runs))
+
+
+def _pod_obj(name, uid, phase="Running", rv="1"):
+    return {"metadata": {"name": name, "uid": uid, "namespace": "ns", "resourceVersion": rv,
+                         "labels": {"distflow.io/job-name": "grpo-tiny", "distflow.io/node-rank": "0",
+                                    "distflow.io/attempt": "1"}},
+            "status": {"phase": phase}}
+
+
+def test_relist_purges_pods_deleted_while_the_watch_was_down():
+    cache = PodCache()
+    cache.observe("ADDED", _pod_obj("a", "u-a"))
+    cache.observe("ADDED", _pod_obj("b", "u-b"))
+    mark = cache.begin_list()
+    cache.observe("ADDED", _pod_obj("c", "u-c"))  # created after the LIST started: kept
+    changed = cache.replace(mark, [_pod_obj("a", "u-a")], {"ns"})
+    assert changed == {KEY} and sorted(p.name for p in cache[KEY]) == ["a", "c"]
+
+
+def test_relist_never_overwrites_a_newer_watch_event():
+    cache = PodCache()
+    cache.observe("ADDED", _pod_obj("a", "u-a"))
+    mark = cache.begin_list()
+    cache.observe("MODIFIED", _pod_obj("a", "u-a", phase="Failed"))
+    assert cache.replace(mark, [_pod_obj("a", "u-a", phase="Running")], {"ns"}) == set()
+    assert [p.phase for p in cache[KEY]] == ["Failed"]
+    assert cache.forget("u-a") == KEY and KEY not in cache
+
+
+@pytest.mark.parametrize(("code", "message", "grace", "passes", "delays"), [
+    (422, "spec.volumes[0].persistentVolumeClaim: Invalid", 120, 4, [0.5, 1.0, 2.0, None]),
+    # A 403 can clear by itself (quota freed, an admission plugin's discovery catching up): retried
+    # with backoff until it has lasted podErrorGraceSeconds (the fake clock moves 1 s a pass).
+    (403, "exceeded quota: pods=1", 4, 5, [0.5, 1.0, 2.0, 1.0, None]),
+])
+def test_refused_pod_creation_is_reported_once_then_fails_the_job(code, message, grace, passes, delays):
+    from datetime import datetime, timedelta, timezone
+
+    from distflow_operator.kube import KubeApiError
+
+    reconciler, api, doc, _, _ = setup()
+    doc["spec"]["runPolicy"]["podErrorGraceSeconds"] = grace
+    ticks = itertools.count()
+    reconciler._clock = lambda: datetime(2026, 1, 1, tzinfo=timezone.utc) + timedelta(seconds=next(ticks))
+
+    def refuse(pod):
+        api.calls.append(("create", pod["metadata"]["name"]))
+        raise KubeApiError("POST", "/pods", code, {"reason": "Refused", "message": message})
+    api.create = refuse
+
+    seen = []
+
+    async def passes_until_failed():
+        out = []
+        while doc.get("status", {}).get("phase") != "Failed":
+            out.append(await reconciler.reconcile(KEY))
+            seen.append((doc["status"]["phase"], doc["status"]["reason"]))
+            assert len(out) <= passes
+        return out
+    assert asyncio.run(passes_until_failed()) == delays
+    # The pass after the first refusal says so in the status.
+    assert seen[1:-1] == [("Pending", "PodCreationRejected")] * (passes - 2)
+    assert doc["status"]["reason"] == "PodCreationRejected" and message in doc["status"]["message"]
+    # Every refusal with one message: one event for them, one for the job failing.
+    assert [c for c in api.calls if c == ("event", "PodCreationRejected")] == [("event", "PodCreationRejected")] * 2
+    assert len([c for c in api.calls if c[0] == "create"]) == (passes - 1) * 2
+
+
+def test_an_operator_started_before_it_knew_the_namespace_lists_its_pods_before_deciding():
+    # The first resync ran with an empty job index (no namespace listed); the job then arrives
+    # with two running pods the pod watch has not delivered yet: no write, no create.
+    reconciler, api, doc, _, _ = setup()
+    doc["status"] = {"phase": "Running", "attempt": 1, "startTime": "2026-01-01T00:00:00Z"}
+    running = []
+    for rank in (0, 1):
+        pod = _pod_obj(f"grpo-tiny-node-{rank}", f"u-{rank}")
+        pod["metadata"]["labels"]["distflow.io/node-rank"] = str(rank)
+        pod["metadata"]["ownerReferences"] = [{"uid": "job-uid", "controller": True}]
+        pod["status"]["conditions"] = [{"type": "Ready", "status": "True"}]
+        running.append(pod)
+    listed = []
+    api.list_pods = lambda namespace, selector: listed.append(namespace) or running
+    reconciler = Reconciler(api, api.jobs, PodCache(), OperatorMetrics(), pod_selector="distflow.io/job-name")
+
+    async def first_passes():
+        reconciler._jobs = {}
+        await reconciler.relist_pods()  # the job index is still empty: lists no namespace
+        reconciler._jobs = api.jobs
+        return await reconciler.reconcile(KEY)
+    asyncio.run(first_passes())
+    assert listed == ["ns"]
+    assert not [c for c in api.calls if c[0] == "create"]
+    assert [c for c in api.calls if c[0] == "status" and c[1] is not None] == []  # the phase stayed Running
+    assert doc["status"]["phase"] == "Running" and doc["status"]["nodes"] == "2/2"

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from datetime import datetime, timedelta, timezone
 
 import pytest
 
 from distflow_operator.observed import PodView, format_time, job_view, pod_view
-from distflow_operator.policy import decide, restart_backoff, run_state
+from distflow_operator.policy import Rejection, decide, restart_backoff, run_state
 
 pytestmark = pytest.mark.unit
 
@@ -122,18 +123,77 @@ def test_invalid_config_exit_code_fails_fast_without_restart():
     assert "spec.data.train.path: no such file" in decision.terminal.message
 
 
-@pytest.mark.parametrize("waiting", ["ImagePullBackOff", "ErrImagePull", "InvalidImageName"])
-def test_image_pull_errors_fail_fast(waiting):
-    stuck = pod(1, phase="Pending", waiting_reason=waiting, message='pull "x" denied')
+def test_invalid_image_name_fails_fast():
+    stuck = pod(1, phase="Pending", waiting_reason="InvalidImageName", message='"x:" is not valid')
     decision = decide(make_job(running()), [pod(0), stuck], NOW)
     assert decision.terminal.reason == "ImagePullFailed"
-    assert decision.terminal.message == f'node pod grpo-node-1: {waiting}; pull "x" denied'
+    assert decision.terminal.message == 'node pod grpo-node-1: InvalidImageName; "x:" is not valid'
     assert {p.name for p in decision.delete_pods} == {"grpo-node-0", "grpo-node-1"}
+
+
+@pytest.mark.parametrize("waiting, reason", [("ImagePullBackOff", "ImagePullFailed"),
+                                             ("ErrImagePull", "ImagePullFailed"),
+                                             ("CreateContainerConfigError", "InvalidPodConfig")])
+def test_transient_pod_errors_fail_the_job_only_after_the_grace_period(waiting, reason):
+    policy = {"podErrorGraceSeconds": 120}
+    young = pod(1, phase="Pending", waiting_reason=waiting, created=NOW - timedelta(seconds=30))
+    decision = decide(make_job(running(), run_policy=policy), [pod(0), young], NOW)
+    assert decision.terminal is None and decision.requeue_after == 90.0
+    old = replace(young, created=NOW - timedelta(seconds=120))
+    decision = decide(make_job(running(), run_policy=policy), [pod(0), old], NOW)
+    assert decision.terminal.reason == reason and "podErrorGraceSeconds=120" in decision.terminal.message
+
+
+def test_disruptions_and_ignored_exit_codes_restart_without_using_up_max_restarts():
+    policy = {"maxRestarts": 0, "exitCodeRules": [{"exitCodes": [42], "action": "Ignore"},
+                                                  {"exitCodes": [3, 2], "action": "FailJob"}]}
+    evicted = pod(0, phase="Failed", reason="Evicted", message="node low on memory", disrupted=True)
+    for failed in (evicted, pod(0, phase="Failed", exit_code=42), pod(0, deleting=True, disrupted=True)):
+        decision = decide(make_job(running(), run_policy=policy), [failed, pod(1)], NOW)
+        assert decision.terminal is None and decision.restart is not None, failed
+        assert (decision.state.attempt, decision.state.restarts, decision.state.disruptions) == (2, 0, 1)
+        assert "not counted in maxRestarts" in decision.restart.message
+    counted = decide(make_job(running(), run_policy=policy), [pod(0, phase="Failed", exit_code=1), pod(1)], NOW)
+    assert counted.terminal.reason == "MaxRestartsExceeded"
+    fatal = decide(make_job(running(), run_policy=policy), [pod(0, phase="Failed", exit_code=3), pod(1)], NOW)
+    assert fatal.terminal.reason == "FailJobExitCode"
+
+
+def test_pods_stuck_terminating_are_force_deleted_after_the_timeout():
+    status = {**running(2), "phase": "Restarting", "lastRestartTime": ago(200)}
+    policy = {"terminatingTimeoutSeconds": 60, "backoffSeconds": 0}
+    fresh = pod(0, attempt=1, deleting=True, deletion_time=NOW - timedelta(seconds=20))
+    decision = decide(make_job(status, run_policy=policy), [fresh], NOW)
+    assert decision.force_delete_pods == () and decision.requeue_after == 40.0
+    assert decision.waiting[0] == "WaitingForTermination" and "grpo-node-0" in decision.waiting[1]
+    stuck = replace(fresh, deletion_time=NOW - timedelta(seconds=60))
+    assert decide(make_job(status, run_policy=policy), [stuck], NOW).force_delete_pods == (stuck,)
+
+
+def test_pods_refused_as_invalid_fail_the_job_on_the_third_try():
+    refused = Rejection(1, 422, "422 Invalid: spec.volumes[0]: not found", since=NOW)
+    decision = decide(make_job(running()), [], NOW, rejected=refused)
+    assert decision.waiting[0] == "PodCreationRejected" and decision.create_ranks == (0, 1)
+    assert "1 of 3 tries" in decision.waiting[1] and "spec.volumes[0]" in decision.waiting[1]
+    failed = decide(make_job(running()), [], NOW, rejected=replace(refused, tries=3))
+    assert failed.terminal.reason == "PodCreationRejected" and "spec.volumes[0]" in failed.terminal.message
+
+
+def test_pods_forbidden_are_retried_for_the_grace_period_then_fail_the_job():
+    # A 403 may clear by itself (quota freed, discovery catching up with a new CRD): tries do not count, time does.
+    job = make_job(running(), run_policy={"podErrorGraceSeconds": 30})
+    refused = Rejection(40, 403, "403 Forbidden: exceeded quota: pods=1", since=NOW - timedelta(seconds=20))
+    decision = decide(job, [], NOW, rejected=refused)
+    assert decision.terminal is None and decision.create_ranks == (0, 1)
+    assert decision.waiting[0] == "PodCreationRejected" and "40 tries in 20s" in decision.waiting[1]
+    assert "podErrorGraceSeconds=30" in decision.waiting[1] and decision.requeue_after == 10.0
+    failed = decide(job, [], NOW, rejected=replace(refused, since=NOW - timedelta(seconds=30)))
+    assert failed.terminal.reason == "PodCreationRejected" and "exceeded quota" in failed.terminal.message
 
 
 def test_eviction_and_lost_pods_restart_the_gang():
     evicted = pod(0, phase="Failed", reason="Evicted", message="node low on memory")
-    assert decide(make_job(running()), [evicted, pod(1)], NOW).restart.reason == "NodeEvicted"
+    assert decide(make_job(running()), [evicted, pod(1)], NOW).restart.reason == "NodeFailed"
     deleted = pod(0, deleting=True)
     assert decide(make_job(running()), [deleted, pod(1)], NOW).restart.reason == "NodeLost"
     vanished = decide(make_job(running()), [pod(1)], NOW, lost={"grpo-node-0"})
@@ -239,4 +299,20 @@ def test_pod_view_reads_rank_attempt_and_exit_from_a_pod_object():
                        "exitCode": 2, "reason": "Error", "message": " bad spec \n"}}}]}})
     assert view == PodView(name="grpo-node-1", uid="x", owner_uid="u1", rank=1, attempt=4, phase="Failed",
                            scheduled=True, ready=False, deleting=True, exit_code=2, reason="Error",
-                           message="bad spec", pod_ip="10.0.0.7", metrics_port=9400)
+                           message="bad spec", pod_ip="10.0.0.7", metrics_port=9400,
+                           deletion_time=NOW - timedelta(seconds=1))
+
+
+def test_started_job_with_unreadable_spec_is_held_not_failed():
+    spec = {"model": {"path": "tiny"}, "data": {"train": {"path": "arithmetic"}, "trainBatchSize": 4},
+            "cluster": {"numNodes": 2}, "rollout": {"engine": "an-engine-from-a-newer-crd"}}
+    decision = decide(make_job(running(), spec=spec), [pod(0), pod(1)], NOW)
+    assert decision.terminal is None and decision.delete_pods == () and decision.create_ranks == ()
+    assert decision.held.reason == "UnreadableSpec" and "spec.rollout.engine" in decision.held.message
+
+
+def test_unknown_fields_from_a_newer_crd_are_ignored_and_named():
+    job = make_job(running(), run_policy={"maxRestarts": 2, "fieldFromANewerCrd": 7})
+    assert job.spec is not None and job.spec.run_policy.max_restarts == 2
+    assert job.unknown_fields == ("spec.runPolicy.fieldFromANewerCrd",)
+    assert decide(job, [pod(0), pod(1)], NOW).held is None

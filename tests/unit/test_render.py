@@ -187,3 +187,11 @@ def test_rendering_is_deterministic_and_never_aliases_the_spec():
     first["spec"]["affinity"]["a"]["b"] = 2
     assert spec.template.env == [{"name": "A", "value": "1"}]
     assert spec.template.affinity == {"a": {"b": 1}}
+
+
+def test_pod_group_patch_follows_scheduling_edits_and_leaves_scheduler_fields_alone():
+    from distflow_operator.kube import pod_group_patch
+
+    current = {"minMember": 2, "queue": "old", "priorityClassName": "high", "minTaskMember": {"x": 1}}
+    assert pod_group_patch(current, {"minMember": 2, "queue": "new"}) == {"queue": "new", "priorityClassName": None}
+    assert pod_group_patch({"minMember": 2}, {"minMember": 2}) == {}

@@ -174,3 +174,26 @@ def test_progress_is_parsed_from_node_metrics():
             "distflow_reward_mean 0.4\n")
     assert parse_progress(text) == {"step": 12, "tokensPerSecond": 1234.568, "lastCheckpointStep": 10}
     assert parse_progress("# nothing here\n") == {}
+
+
+def test_version_skew_condition_names_unknown_fields_and_posts_one_event():
+    job = make_job(run_policy={"maxRestarts": 2, "fieldFromANewerCrd": True})
+    first = status_for(job, [pod(0), pod(1)])
+    skew = conditions(first)["VersionSkew"]
+    assert (skew["status"], skew["reason"]) == ("True", "UnknownFields")
+    assert "spec.runPolicy.fieldFromANewerCrd" in skew["message"]
+    assert ("Warning", "UnknownFields", skew["message"]) in transition_events({}, first)
+    again = status_for(make_job(first, run_policy={"maxRestarts": 2, "fieldFromANewerCrd": True}), [pod(0), pod(1)])
+    assert not [e for e in transition_events(first, again) if e[1] == "UnknownFields"]
+    assert conditions(status_for(make_job(first), [pod(0), pod(1)]))["VersionSkew"]["status"] == "False"
+
+
+def test_held_job_keeps_its_status_and_only_flips_version_skew():
+    running = status_for(make_job(), [pod(0), pod(1)])
+    unreadable = job_view({"metadata": {"name": "grpo", "namespace": "ns", "uid": "u1", "generation": 2},
+                           "spec": {"model": {"path": "tiny"}, "cluster": {"numNodes": "many"}},
+                           "status": running})
+    held = status_for(unreadable, [pod(0), pod(1)])
+    assert {k: v for k, v in held.items() if k != "conditions"} == {
+        k: v for k, v in running.items() if k != "conditions"}
+    assert conditions(held)["VersionSkew"]["reason"] == "UnreadableSpec"

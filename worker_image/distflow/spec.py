@@ -19,7 +19,7 @@ the fix, and is raised as :class:`DistflowConfigError` before any worker starts.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import Field, ValidationError, model_validator
@@ -399,6 +399,16 @@ class TrainerSpec(_Spec):
     """CPU threads per worker (0: cores / local workers)."""
 
 
+class ExitCodeRule(_Spec):
+    """What a node pod's exit code means for the job (after Kubernetes Job's podFailurePolicy)."""
+
+    exit_codes: list[Annotated[int, Field(ge=1, le=255)]] = Field(min_length=1, max_length=255)
+    """Exit codes of the node container this rule matches (1-255; 0 is success)."""
+    action: Literal["FailJob", "Count", "Ignore"]
+    """FailJob: the job fails at once. Count: the gang restarts, counted against maxRestarts.
+    Ignore: the gang restarts without counting it (e.g. an exit code your code uses for preemption)."""
+
+
 class RunPolicySpec(_Spec):
     max_restarts: int = Field(default=3, ge=0, le=100)
     """Gang restarts before the job is Failed."""
@@ -410,6 +420,16 @@ class RunPolicySpec(_Spec):
     """Delete the finished job after this long."""
     suspend: bool = False
     """Delete the pods but keep the job; false again recreates them."""
+    exit_code_rules: list[ExitCodeRule] = Field(
+        default_factory=lambda: [ExitCodeRule(exit_codes=[2], action="FailJob")], max_length=32)
+    """First matching rule decides; unmatched non-zero exit codes count a restart.
+    The default fails at once on exit code 2 (`distflow node` found its spec invalid)."""
+    pod_error_grace_seconds: int = Field(default=120, ge=0, le=3600)
+    """How long a node pod may wait on ErrImagePull, ImagePullBackOff or
+    CreateContainerConfigError (a Secret created later) before the job fails."""
+    terminating_timeout_seconds: int = Field(default=60, ge=0, le=3600)
+    """How long past its grace period a deleted node pod may stay Terminating
+    (node NotReady, kubelet gone) before the operator force-deletes it."""
 
 
 class JobSpec(_Spec):

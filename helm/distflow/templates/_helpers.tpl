@@ -57,6 +57,9 @@ no update anywhere, no patch on jobs, no Secrets.
 - apiGroups: [distflow.io]
   resources: [rlposttrainjobs/status]
   verbs: [get, patch]
+- apiGroups: [distflow.io]
+  resources: [rlposttrainjobs/finalizers]
+  verbs: [update]
 - apiGroups: [""]
   resources: [pods]
   verbs: [get, list, watch, create, delete]
@@ -69,14 +72,17 @@ no update anywhere, no patch on jobs, no Secrets.
 - apiGroups: [""]
   resources: [events]
   verbs: [create]
+- apiGroups: [coordination.k8s.io]
+  resources: [leases]
+  verbs: [get, create, update]
 {{- if eq .Values.batchScheduler "volcano" }}
 - apiGroups: [scheduling.volcano.sh]
   resources: [podgroups]
-  verbs: [get, create]
+  verbs: [get, create, patch]
 {{- else if eq .Values.batchScheduler "scheduler-plugins" }}
 - apiGroups: [scheduling.x-k8s.io]
   resources: [podgroups]
-  verbs: [get, create]
+  verbs: [get, create, patch]
 {{- end }}
 {{- end }}
 
