@@ -50,6 +50,7 @@ from fsspec.implementations.local import LocalFileSystem
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from distflow import chaos
+from distflow.engines import fsdp
 
 PREFIX = "step_"
 MANIFEST = "manifest.json"
@@ -275,7 +276,11 @@ def _fsync_dir(store: _Store) -> None:
 
 
 def _train_state(worker) -> dict:
-    """The state dicts torch.distributed.checkpoint saves and reshards: actor, and critic when trained (ppo)."""
+    """The state dicts torch.distributed.checkpoint saves and reshards: actor, and critic when trained (ppo).
+
+    Saves the sharded parameters: full ones an evaluation left gathered
+    (``actor.reshardAfterForward: false``) are released first."""
+    fsdp.release_unsharded(worker.actor.model)
     model_sd, optim_sd = get_state_dict(worker.actor.model, worker.actor.optimizer)
     state = {"model": model_sd, "optim": optim_sd}
     if worker.critic is not None:

@@ -388,7 +388,6 @@ class DagWorker:
             save_every = spec.checkpoint.save_every_steps
             if spec.checkpoint.dir and (self.step == spec.trainer.total_steps or
                                         (save_every and self.step % save_every == 0)):
-                fsdp.release_unsharded(self.actor_model)  # an evaluation may have left them gathered
                 checkpoint.save(spec.checkpoint.dir, self.step, self, spec.checkpoint.keep_last)
                 if self.exporter is not None:
                     self.exporter.observe_checkpoint(self.step)
