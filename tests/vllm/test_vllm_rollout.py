@@ -129,6 +129,14 @@ def test_after_an_actor_update_sync_makes_vllm_follow_the_new_weights(engine, hf
     got, want = _greedy_pair(engine, updated, tokenizer, prompts)
     assert got == want
     assert got != before, "the update changed no greedy response: the test cannot tell a sync from none"
+    # every weight followed, not only enough of them to move the greedy tokens: the sampled
+    # tokens' log-probs equal the updated model's as closely as before any update
+    params = SamplingParams(n=4, temperature=0.8, top_p=1.0, top_k=0, max_new_tokens=MAX_NEW, micro_batch_size=32)
+    batch = engine.generate(prompts, list(range(len(prompts))), params, seed=5)
+    mask = batch.token_fields["response_mask"].bool()
+    diff = (model_ops.compute_log_probs(updated.eval(), batch, tokenizer.pad_token_id, 16, 0.8)[mask]
+            - batch.token_fields["rollout_log_probs"][mask]).abs()
+    assert float(diff.max()) <= LOGP_ATOL, f"max |diff| {float(diff.max()):.2e}, mean {float(diff.mean()):.2e}"
     engine.sync(hf_model)  # back to the original weights for any later test
     assert _greedy_pair(engine, hf_model, tokenizer, prompts)[0] == before
 

@@ -196,8 +196,29 @@ class VllmRollout:
                 yield name, full
 
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights()})
+        if self.config.device_type == "cpu":
+            self.llm.collective_rpc("apply_model", args=(_repack_kept_cpu_weights,))
         self.llm.reset_prefix_cache()  # cached prompt KV was computed with the old weights
         return moved[0]
+
+
+def _repack_kept_cpu_weights(model: torch.nn.Module) -> int:
+    """Re-run the CPU GEMM packing of every layer that keeps its weight beside the packed copy.
+
+    vLLM's CPU build packs each linear layer's weight for its GEMM after loading. Most layers
+    drop the weight and ``reload_weights`` repacks them; a tied LM head keeps the weight (it is
+    the input embedding's), and nothing loads into it on a reload (the checkpoint names no
+    lm_head weight), so its packed copy would keep the initial weights: greedy tokens mostly
+    survive that, the sampled tokens' log-probs do not. Returns the layers repacked.
+    """
+    repacked = 0
+    for module in model.modules():
+        method, weight = getattr(module, "quant_method", None), getattr(module, "weight", None)
+        if method is None or not hasattr(module, "cpu_linear") or weight is None or weight.numel() == 0:
+            continue
+        method.process_weights_after_loading(module)
+        repacked += 1
+    return repacked
 
 
 def _gathered_in_buckets(model: torch.nn.Module, bucket_bytes: int):
