@@ -290,6 +290,11 @@ def e2e_text(results: dict) -> str:
         if off:
             sharing += (f" {' and '.join(off)} {'was' if len(off) == 1 else 'were'} off in this run"
                         + (": distflow, like TRL, processed every prompt once per sample." if not on else "."))
+    if settings.get("reshard_after_forward") is False:
+        sharing += (" distflow also runs with `actor.reshardAfterForward: false` (ZeRO-2 style): the full "
+                    "weights the rollout all-gathers stay gathered through the update, one all-gather per "
+                    "step instead of three, as TRL's single process holds the whole model; the parameters "
+                    "are the same bit for bit (tests/dist/test_actor_update.py).")
     return f"""
 Both frameworks run as separate processes, alternating (distflow, TRL, TRL,
 distflow); see `tests/bench/e2e_trl.py` for the exact configuration of each.

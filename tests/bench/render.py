@@ -243,6 +243,7 @@ def render_e2e(result: dict) -> str:
     s = result["settings"]
     distflow_only = {"share_prefill": "distflow only (`rollout.sharePrefill`)",
                      "share_prompt_prefix": "distflow only (`actor.sharePromptPrefix`)",
+                     "reshard_after_forward": "distflow only (`actor.reshardAfterForward`)",
                      "workers": "distflow (TRL: one process)"}
     settings = md_table(["setting", "value", "applies to"],
                         [[k, v, distflow_only.get(k, "both")] for k, v in s.items()])
