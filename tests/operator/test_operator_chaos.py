@@ -1,7 +1,7 @@
 """Chaos tier: the operator (two replicas, Lease leader election) under killed leaders, API
 server restarts, NotReady nodes, floods of bad CRs and 8-node jobs applied at once.
 
-Opt-in (``pytest -m chaos tests/operator/test_chaos.py``): short loops by default, the
+Opt-in (``pytest -m chaos tests/operator/test_operator_chaos.py``): short loops by default, the
 issue-sized ones with DISTFLOW_CHAOS_LONG=1 (x10 kills, x5 restarts, x5 NotReady, 200 bad CRs,
 100 jobs x 8 nodes, 5,000 unrelated pods). Each fault also has one scenario in the default
 operator tier (test_operator_faults.py). Each test prints one ``CHAOS`` summary line with its
