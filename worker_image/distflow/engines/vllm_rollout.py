@@ -185,13 +185,15 @@ class VllmRollout:
         that a bare ``load_weights`` would bypass).
 
         Returns:
-            Bytes all-gathered by this rank (the full model's parameter bytes).
+            Bytes all-gathered by this rank (the full model's parameters, in the engine's dtype).
         """
         self.wake_up(("weights",))  # to be overwritten; the KV cache comes back for the next rollout
         moved = [0]
 
         def weights():
-            for name, full in _gathered_in_buckets(actor_model, self.config.weight_sync_bucket_bytes):
+            # gathered in the engine's dtype: a bf16 engine costs half the bytes of the fp32 masters
+            dtype = getattr(torch, self.config.dtype)
+            for name, full in _gathered_in_buckets(actor_model, self.config.weight_sync_bucket_bytes, dtype):
                 moved[0] += full.numel() * full.element_size()
                 yield name, full
 
@@ -221,10 +223,10 @@ def _repack_kept_cpu_weights(model: torch.nn.Module) -> int:
     return repacked
 
 
-def _gathered_in_buckets(model: torch.nn.Module, bucket_bytes: int):
+def _gathered_in_buckets(model: torch.nn.Module, bucket_bytes: int, dtype: torch.dtype | None = None):
     """(name, full tensor) per parameter, all-gathered a bucket of about ``bucket_bytes`` ahead."""
     bucket, size = [], 0
-    for name, full in full_state_tensors(model):
+    for name, full in full_state_tensors(model, dtype):
         bucket.append((name, full))
         size += full.numel() * full.element_size()
         if size >= bucket_bytes:
