@@ -108,3 +108,28 @@ def test_failure_message_puts_the_lost_actor_first_and_shortens_its_peers_errors
         "rank 1 on Ray node aaaaaaaaaaaa 10.0.0.1 (pid 101) lost (its process or Ray node died): "
         "The actor died unexpectedly",
         "rank 2 on Ray node aaaaaaaaaaaa 10.0.0.1 (pid 102) failed: RuntimeError: Connection closed by peer"]
+
+
+def test_a_dead_gcs_address_is_reported_at_once_not_retried(tmp_path, monkeypatch):
+    import socket
+
+    from distflow.ray_launcher import gcs_unreachable
+
+    with socket.socket() as listening:
+        listening.bind(("127.0.0.1", 0))
+        listening.listen()
+        port = listening.getsockname()[1]
+        assert gcs_unreachable(f"127.0.0.1:{port}") is None
+    # closed now: refused at once (Ray would retry it for minutes)
+    assert "nothing answers at 127.0.0.1:" in gcs_unreachable(f"127.0.0.1:{port}", timeout_s=2)
+    # auto: RAY_ADDRESS, else the address file a killed `ray start` left behind
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.setenv("RAY_TMPDIR", str(tmp_path))
+    assert gcs_unreachable("auto") is None  # no file: Ray's own "no running instance" error
+    (tmp_path / "ray").mkdir()
+    (tmp_path / "ray" / "ray_current_cluster").write_text(f"127.0.0.1:{port}\n")
+    assert "nothing answers" in gcs_unreachable("auto", timeout_s=2)
+    monkeypatch.setenv("RAY_ADDRESS", f"127.0.0.1:{port}")
+    assert "nothing answers" in gcs_unreachable("auto", timeout_s=2)
+    for not_checked in ("ray://127.0.0.1:1", "not-a-host", "host:port"):
+        assert gcs_unreachable(not_checked) is None

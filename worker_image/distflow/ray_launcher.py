@@ -35,7 +35,10 @@ from __future__ import annotations
 
 import os
 import re
+import socket
+import tempfile
 import time
+from pathlib import Path
 from dataclasses import dataclass
 
 from distflow.errors import DistflowConfigError, LaunchError
@@ -228,6 +231,10 @@ def launch_ray(spec: JobSpec, job_name: str, address: str, resume: bool = True, 
 
     started_here = not ray.is_initialized()
     if started_here:
+        unreachable = gcs_unreachable(address)
+        if unreachable:  # Ray itself retries a dead GCS address for many minutes
+            raise LaunchError(f"no Ray cluster at {address!r}: {unreachable}. Start one (ray start --head) or "
+                              "give its address: --ray HOST:PORT")
         try:
             ray.init(address=address, log_to_driver=True, configure_logging=False)
         except (ConnectionError, RuntimeError, ValueError) as err:
@@ -240,6 +247,29 @@ def launch_ray(spec: JobSpec, job_name: str, address: str, resume: bool = True, 
     finally:
         if started_here:
             ray.shutdown()
+
+
+def gcs_unreachable(address: str, timeout_s: float = 5.0) -> str | None:
+    """Why no Ray cluster can answer at ``address``, from one TCP connect to its GCS port; None
+    when something answers, or when the address is not HOST:PORT (``ray://`` clients time out
+    by themselves; a malformed address is Ray's to reject).
+
+    ``auto`` is what Ray would resolve it to: ``RAY_ADDRESS``, else the address file the last
+    ``ray start`` on this machine wrote (left behind when that cluster was killed).
+    """
+    if address == "auto":
+        address = os.environ.get("RAY_ADDRESS", "")
+        if not address:
+            current = Path(os.environ.get("RAY_TMPDIR", tempfile.gettempdir())) / "ray" / "ray_current_cluster"
+            address = current.read_text().strip() if current.is_file() else ""
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or address.startswith("ray://") or not port.isdigit():
+        return None
+    try:
+        with socket.create_connection((host, int(port)), timeout=timeout_s):
+            return None
+    except OSError as err:
+        return f"nothing answers at {host}:{port} ({err.strerror or err})"
 
 
 def _run_on_cluster(spec: JobSpec, job_name: str, resources: RayResources, resume: bool, progress: bool):
@@ -295,8 +325,15 @@ def _reserve(spec: JobSpec, resources: RayResources):
     group = placement_group([bundle] * num_nodes, strategy="STRICT_SPREAD",
                             bundle_label_selector=[selector] * num_nodes if selector else None)
     timeout = spec.ray.placement_timeout_seconds
-    if group.wait(timeout_seconds=timeout):
-        return group
+    deadline = time.monotonic() + timeout
+    try:
+        # short waits: Ctrl-C (KeyboardInterrupt) gets through between them, not only at the deadline
+        while time.monotonic() < deadline:
+            if group.wait(timeout_seconds=max(0.1, min(1.0, deadline - time.monotonic()))):
+                return group
+    except BaseException:
+        remove_placement_group(group)
+        raise
     remove_placement_group(group)
     nodes = [{"resources": n.get("Resources", {}), "labels": n.get("Labels", {})}
              for n in ray.nodes() if n.get("Alive")]
