@@ -14,6 +14,8 @@ package for others), so no group exists that a CPU tensor cannot travel on.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import BackendConfig
@@ -97,8 +99,6 @@ def collective_bytes() -> CollectiveBytes:
 
 
 def _counting(original, counter: CollectiveBytes, gather: bool):
-    import functools
-
     @functools.wraps(original)
     def counted(*args, **kwargs):
         # (output, input, ...) positionally, or by keyword: output(_tensor)=, input(_tensor)=

@@ -167,7 +167,7 @@ class DagWorker:
         self.actor_model = load_sharded_causal_lm(env.model_dir, mesh, self.device, torch.float32, compute,
                                                   spec.model.gradient_checkpointing,
                                                   spec.actor.reshard_after_forward)
-        self.rollout = self._build_rollout(copy, compute)
+        self.rollout = self._build_rollout(copy)
         self.actor = Actor.build(spec, self.actor_model, self.tokenizer.pad_token_id,
                                  env.world_size, self.device)
         self.ref_model = None
@@ -177,11 +177,11 @@ class DagWorker:
             self.ref_model.requires_grad_(False)
         self._build_critic(mesh)
 
-    def _build_rollout(self, copy, compute_dtype: torch.dtype):
+    def _build_rollout(self, copy):
         """The rollout engine: hf on the actor's weights (or ``copy``), or a colocated vLLM engine."""
         spec, env = self.spec, self.env
         if spec.rollout.engine == "hf":
-            weights = fsdp.RolloutWeights(self.actor_model, copy, compute_dtype,
+            weights = fsdp.RolloutWeights(self.actor_model, copy,
                                           keep_gathered=not spec.actor.reshard_after_forward)
             return HfRollout(weights, self.tokenizer, self.device)
         from distflow.engines.vllm_rollout import VllmRollout, vllm_config

@@ -196,11 +196,9 @@ class RolloutWeights:
     """
 
     def __init__(self, actor_model: torch.nn.Module, copy: torch.nn.Module | None = None,
-                 compute_dtype: torch.dtype | None = None, keep_gathered: bool = False) -> None:
+                 keep_gathered: bool = False) -> None:
         self.actor_model = actor_model
         self.copy = copy
-        self.compute_dtype = compute_dtype
-        """The dtype ``apply_fsdp`` gave the actor: what the shared weights are gathered in."""
         self.keep_gathered = keep_gathered
         """Shared weights stay gathered after the rollout for the passes and the update that
         follow (``actor.reshardAfterForward: false``); the actor's optimizer step releases them."""
