@@ -234,11 +234,13 @@ class Reconciler:
                 return None
             memory.resource_version = written
             self._observe_transition(job.status, new, now)
-            await self._post_events(job, transition_events(job.status, new))
         memory.status = new
-        # Right after the status it mirrors: a reader who sees the new phase in status sees it here too.
+        # Right after the status it mirrors, before any other API call (the events below): a reader
+        # who sees the new phase in status sees it here too.
         self._metrics.record_job(job.namespace, job.name, JobSample(
             new["phase"], new.get("restarts", 0), new.get("readyNodes", 0), new.get("desiredNodes", 0)))
+        if new != job.status:
+            await self._post_events(job, transition_events(job.status, new))
         if await self._act(job, memory, decision, now) is False:
             # The next pass reports the refusal in the status and tries again, or fails the job.
             retry = min(REJECTED_RETRY_S * 2.0 ** (memory.rejected.tries - 1), MAX_REJECTED_RETRY_S)
