@@ -1,6 +1,6 @@
 """Shared pytest plumbing: tier markers' run rules and the control plane fixtures.
 
-Markers are declared in pyproject.toml. Here: `bench`, `chaos` and `ray` tests
+Markers are declared in pyproject.toml. Here: `bench` and `ray` tests
 run only when the -m expression names them (OPT_IN_TIERS); `gpu` tests skip without CUDA; `control_plane`
 builds (cached) and starts a real control plane once per session, lazily, so
 tests that do not ask for it never trigger a build.
@@ -21,7 +21,6 @@ REPO = Path(__file__).resolve().parents[1]
 
 OPT_IN_TIERS = {
     "bench": "benchmark",
-    "chaos": "chaos loop (kill -9 and resume, the operator under control-plane faults; minutes on 2 cores)",
     "ray": "Ray launcher tier (a two-node Ray cluster; 4 actors importing torch per run, ~5 min on 2 cores)",
 }
 """Tiers that run only when the -m expression names them: too long for the default run."""

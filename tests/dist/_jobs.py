@@ -56,14 +56,31 @@ def tiny_job_spec(tmp_path, name: str, reward: str = "distinct_chars", **section
     return parse_spec(merged(doc, sections))
 
 
-def final_checkpoint(spec: JobSpec) -> dict:
-    """The last complete checkpoint as one state dict ("model", "optim", "critic", ...)."""
+def final_checkpoint(spec: JobSpec | str | Path) -> dict:
+    """The last complete checkpoint as one state dict ("model", "optim", "critic", ...).
+
+    ``spec``: the job's spec, or its checkpoint directory.
+    """
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-    last = complete_checkpoints(spec.checkpoint.dir)[-1]
+    root = spec.checkpoint.dir if isinstance(spec, JobSpec) else spec
+    last = complete_checkpoints(root)[-1]
     out = last.parent / "final.pt"
     dcp_to_torch_save(str(last), str(out))
     return torch.load(out, weights_only=False)
+
+
+def bit_identical(a: dict, b: dict) -> bool:
+    """Whether two nested state dicts hold the same keys and bit-equal tensors (other leaves ==)."""
+    flat_a, flat_b = _flatten(a), _flatten(b)
+    return flat_a.keys() == flat_b.keys() and all(
+        torch.equal(v, flat_b[k]) if isinstance(v, torch.Tensor) else v == flat_b[k] for k, v in flat_a.items())
+
+
+def _flatten(tree, prefix="") -> dict:
+    if isinstance(tree, dict):
+        return {k: v for key, sub in tree.items() for k, v in _flatten(sub, f"{prefix}/{key}").items()}
+    return {prefix: tree}
 
 
 def run_job(spec: JobSpec, name: str = "job", **kw) -> tuple[dict, list[dict]]:

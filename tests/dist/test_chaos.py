@@ -25,11 +25,10 @@ import time
 from collections import Counter
 
 import pytest
-import torch
 
 from distflow import sample_ids
 from tests.dist._chaos import JOB, Trial, draw_trials, read_tally, run_job
-from tests.dist._jobs import final_checkpoint, tiny_job_spec
+from tests.dist._jobs import bit_identical, final_checkpoint, tiny_job_spec
 
 # Generous: a trial is two launches of a 2-worker job, minutes each on a loaded 2-core machine.
 pytestmark = [pytest.mark.dist, pytest.mark.chaos, pytest.mark.timeout(7200)]
@@ -50,18 +49,6 @@ def _trials(tally) -> list[Trial]:
     if wanted:
         return draw_trials(wanted, int(os.environ.get("DISTFLOW_CHAOS_SEED", "0")), tally)
     return [Trial("worker", "checkpoint", 0, 4), Trial("launcher", "optimizer", 1, min(3, tally[1]["optimizer"]))]
-
-
-def _bit_identical(a: dict, b: dict) -> bool:
-    flat_a, flat_b = _flatten(a), _flatten(b)
-    return flat_a.keys() == flat_b.keys() and all(
-        torch.equal(v, flat_b[k]) if isinstance(v, torch.Tensor) else v == flat_b[k] for k, v in flat_a.items())
-
-
-def _flatten(tree, prefix="") -> dict:
-    if isinstance(tree, dict):
-        return {k: v for key, sub in tree.items() for k, v in _flatten(sub, f"{prefix}/{key}").items()}
-    return {prefix: tree}
 
 
 def _run_trial(trial: Trial, job_dir) -> None:
@@ -85,7 +72,7 @@ def test_killed_runs_resume_and_lose_nothing(reference, tmp_path):
         _run_trial(trial, job_dir)
         spec = tiny_job_spec(job_dir, "job", **JOB)
         finished = trial.attempts[-1].returncode == 0
-        identical = finished and _bit_identical(final_checkpoint(spec), ref_state)
+        identical = finished and bit_identical(final_checkpoint(spec), ref_state)
         ids = sample_ids.read(spec.trainer.log_dir) if finished else {}
         same_steps = sum(ids.get(s) == want for s, want in ref_ids.items())
         resumed = re.findall(r"resumed from the step-(\d+) checkpoint", "".join(a.output for a in trial.attempts))

@@ -10,6 +10,8 @@ node 0's metrics through the pod IP, as in a cluster.
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import json
 import textwrap
 import uuid
@@ -19,9 +21,11 @@ from typing import Any
 
 import pytest
 
+from distflow import sample_ids
 from distflow_operator import CRD_NAME
 from distflow_operator.rbac import KOPF_DISCOVERY_RULES, OPERATOR_RULES
 from tests.controlplane.cluster import ControlPlane
+from tests.dist._jobs import bit_identical, final_checkpoint
 from tests.e2e.kubelet import LocalKubelet
 from tests.operator._helpers import (
     CRD_FILE, DISCOVERY_ROLE, OPERATOR_ROLE, Api, dump, operator_kubeconfig, operator_running, wait_for,
@@ -87,15 +91,53 @@ def cluster(control_plane_bin_dir: Path) -> Iterator[ControlPlane]:
         yield cp
 
 
-@pytest.fixture
-def namespace(cluster: ControlPlane, request: pytest.FixtureRequest) -> str:
-    name = f"e2e-{request.node.name[5:25].replace('_', '-').strip('-')}-{uuid.uuid4().hex[:6]}"
+@contextlib.contextmanager
+def _namespace(cluster: ControlPlane, label: str) -> Iterator[str]:
+    name = f"e2e-{label[:20].replace('_', '-').strip('-')}-{uuid.uuid4().hex[:6]}"
     cluster.request("POST", "/api/v1/namespaces",
                     {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": name}}, expect=(201,))
     wait_for(lambda: cluster.request("GET", f"/api/v1/namespaces/{name}/serviceaccounts/default")[0] == 200,
              30, what=f"namespace {name} default ServiceAccount")
     yield name
     cluster.request("DELETE", f"/api/v1/namespaces/{name}")
+
+
+@pytest.fixture
+def namespace(cluster: ControlPlane, request: pytest.FixtureRequest) -> Iterator[str]:
+    with _namespace(cluster, request.node.name[5:25]) as name:
+        yield name
+
+
+RESTART_STEPS = 3
+"""Steps of the job the restart test kills, and of the uninterrupted run it is compared with."""
+
+
+@dataclasses.dataclass
+class Finished:
+    """What an uninterrupted job left: its status, directories, node exits, pods and scraped steps."""
+    status: dict[str, Any]
+    dirs: dict[str, Path]
+    exits: list[tuple[str, str, int]]
+    pods: list[dict[str, Any]]
+    scraped: set[int]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(cluster: ControlPlane, tmp_path_factory: pytest.TempPathFactory) -> Finished:
+    """The restart test's job run to the end with no fault: the reference its parameters are compared with."""
+    tmp_path = tmp_path_factory.mktemp("uninterrupted")
+    with _namespace(cluster, "uninterrupted") as namespace:
+        api = Api(cluster, namespace)
+        kubeconfig = operator_kubeconfig(cluster, namespace, tmp_path)
+        with (operator_running(kubeconfig, namespace, PROGRESS_INTERVAL="0.3"),
+              LocalKubelet(cluster, namespace, tmp_path / "kubelet") as kubelet):
+            dirs = _apply(cluster, namespace, tmp_path, UNINTERRUPTED, RESTART_STEPS)
+            scraped: set[int] = set()
+            status = _wait_finished(api, UNINTERRUPTED, kubelet, scraped=scraped)
+            return Finished(status, dirs, _exits(kubelet), api.pods(UNINTERRUPTED), scraped)
+
+
+UNINTERRUPTED = "e2e-grpo"
 
 
 def _apply(cluster: ControlPlane, namespace: str, tmp_path: Path, name: str, total_steps: int,
@@ -140,33 +182,26 @@ def _exits(kubelet: LocalKubelet) -> list[tuple[str, str, int]]:
     return sorted((e.attempt, e.pod, e.exit_code) for e in kubelet.exits)
 
 
-def test_job_pods_run_as_local_processes_train_and_the_job_succeeds(cluster, namespace, tmp_path):
-    name, total = "e2e-grpo", 2
-    api = Api(cluster, namespace)
-    kubeconfig = operator_kubeconfig(cluster, namespace, tmp_path)
-    with (operator_running(kubeconfig, namespace, PROGRESS_INTERVAL="0.3"),
-          LocalKubelet(cluster, namespace, tmp_path / "kubelet") as kubelet):
-        dirs = _apply(cluster, namespace, tmp_path, name, total)
-        scraped: set[int] = set()
-        status = _wait_finished(api, name, kubelet, scraped=scraped)
-
+def test_job_pods_run_as_local_processes_train_and_the_job_succeeds(uninterrupted):
+    name, total, status = UNINTERRUPTED, RESTART_STEPS, uninterrupted.status
     assert (status["attempt"], status["restarts"]) == (1, 0), dump(status)
     assert status["progress"]["step"] == status["progress"]["totalSteps"] == total, dump(status)
     # Progress came from node 0's metrics through its pod IP while it trained (the last
     # step and checkpoint may end between two scrapes; Succeeded itself implies the last step).
-    assert scraped and min(scraped) >= 1, scraped
+    assert uninterrupted.scraped and min(uninterrupted.scraped) >= 1, uninterrupted.scraped
     assert status["progress"]["lastCheckpointStep"] >= 1 and status["progress"]["tokensPerSecond"] > 0
     assert {c["type"]: c["status"] for c in status["conditions"]}["Succeeded"] == "True"
-    assert _steps(dirs["logs"]) == list(range(1, total + 1))
-    assert _exits(kubelet) == [("1", f"{name}-node-0", 0), ("1", f"{name}-node-1", 0)]
-    pods = api.pods(name)
+    assert _steps(uninterrupted.dirs["logs"]) == list(range(1, total + 1))
+    assert uninterrupted.exits == [("1", f"{name}-node-0", 0), ("1", f"{name}-node-1", 0)]
+    pods = uninterrupted.pods
     assert [p["status"]["phase"] for p in pods] == ["Succeeded", "Succeeded"]
     assert [p["status"]["containerStatuses"][0]["state"]["terminated"]["exitCode"] for p in pods] == [0, 0]
     assert len({p["status"]["podIP"] for p in pods}) == 2
 
 
-def test_a_crashed_node_restarts_the_gang_which_resumes_from_the_checkpoint(cluster, namespace, tmp_path):
-    name, total = "e2e-restart", 3
+def test_a_crashed_node_restarts_the_gang_which_resumes_from_the_checkpoint(cluster, namespace, tmp_path,
+                                                                             uninterrupted):
+    name, total = "e2e-restart", RESTART_STEPS
     api = Api(cluster, namespace)
     kubeconfig = operator_kubeconfig(cluster, namespace, tmp_path)
     with (operator_running(kubeconfig, namespace, PROGRESS_INTERVAL="0.3"),
@@ -187,6 +222,12 @@ def test_a_crashed_node_restarts_the_gang_which_resumes_from_the_checkpoint(clus
     steps = _steps(dirs["logs"])
     # Attempt 2 continued from a checkpoint: step 1 was trained once, every step up to the total was reached.
     assert steps.count(1) == 1 and set(steps) == set(range(1, total + 1)) and steps[-1] == total, steps
+    # The gang restart resumed through the checkpoint path the chaos loop checks: the final parameters and
+    # optimizer state equal the uninterrupted run's bit for bit, and every step trained the same sample ids.
+    resumed = final_checkpoint(dirs["checkpoints"])
+    assert bit_identical(resumed, final_checkpoint(uninterrupted.dirs["checkpoints"])), \
+        "the restarted job's final parameters/optimizer state differ from the uninterrupted run's"
+    assert sample_ids.read(dirs["logs"]) == sample_ids.read(uninterrupted.dirs["logs"])
 
 
 def test_a_node_that_rejects_its_config_fails_the_job_at_once_with_its_message(cluster, namespace, tmp_path):
