@@ -36,7 +36,9 @@ from distflow.engines import fsdp
 from distflow.engines.actor import Actor
 from distflow.engines.critic import build_critic
 from distflow.engines.loading import load_sharded_causal_lm
-from distflow.engines.rollout import HfRollout, SamplingParams, render_prompt, render_prompts, response_texts
+from distflow.engines.rollout import (
+    HfRollout, SamplingParams, render_prompt, render_prompts, response_texts, step_seed,
+)
 from distflow.exporter import NodeExporter
 from distflow.metrics import JsonlWriter, StepMetrics
 from distflow.models import DTYPES, load_causal_lm, load_tokenizer, resolve_model
@@ -209,12 +211,13 @@ class DagWorker:
         self.loader = ShardedPromptLoader(fitted, spec.data.train_batch_size,
                                           self.rollout_dp_rank, dp, seed=spec.data.seed,
                                           shuffle=spec.data.shuffle)
-        self.eval_records = []
+        # This rank's share of the eval set, and each record's index in the whole set.
+        self.eval_records, self.eval_indices = [], []
         if spec.data.eval is not None:
             source = self._fit_prompts(prompt_source(spec.data.eval), "data.eval")
             n = source.num_records
-            mine = [i for i in range(n) if i % dp == self.rollout_dp_rank]
-            self.eval_records = source.read(mine)
+            self.eval_indices = [i for i in range(n) if i % dp == self.rollout_dp_rank]
+            self.eval_records = source.read(self.eval_indices)
 
     def _fit_prompts(self, source, field: str):
         """``source`` as ``data.truncation`` says (collective: each rank scans a share of it).
@@ -243,6 +246,9 @@ class DagWorker:
         Greedy by default; with `rollout.val.temperature > 0`, the mean over
         `rollout.val.n` responses per prompt (verl's mean@n) from a seed that
         is the same at every evaluation, so evaluations differ only by the policy.
+        Response ``j`` of eval prompt ``k`` (its index in the whole set) samples from
+        ``sample_seed(seed, k, j)`` with one seed for all ranks: the score does not depend
+        on the world size or on which rank scored the prompt.
         """
         if self.spec.data.eval is None:
             return float("nan")
@@ -252,11 +258,11 @@ class DagWorker:
         params = SamplingParams(val.n, val.temperature, val.top_p, val.top_k,
                                 self.spec.data.max_response_length, self.spec.rollout.micro_batch_size,
                                 share_prefill=self.spec.rollout.share_prefill)
-        # "Step" -1: apart from every training step's rollout seed (stages.rollout hashes the same tuple).
-        seed = hash((self.spec.trainer.seed, -1, self.rollout_dp_rank)) & 0x7FFFFFFF
-        batch = self.rollout.generate(prompts, list(range(len(prompts))), params, seed)
+        # "Step" -1: apart from every training step's rollout seed.
+        batch = self.rollout.generate(prompts, self.eval_indices, params, step_seed(self.spec.trainer.seed, -1))
         texts = response_texts(self.tokenizer, batch)
-        records = [self.eval_records[g] for g in batch.sample_fields["group_index"].tolist()]
+        position = {k: i for i, k in enumerate(self.eval_indices)}
+        records = [self.eval_records[position[k]] for k in batch.sample_fields["group_index"].tolist()]
         scores = compute_scores(texts, records, self.spec.data.reward_fn)
         if self.writer is not None:
             self.writer.write_samples(self.step, records, texts, scores)
