@@ -1,9 +1,10 @@
 """Shared pytest plumbing: tier markers' run rules and the control plane fixtures.
 
-Markers are declared in pyproject.toml. Here: `bench` and `ray` tests
+Markers are declared in pyproject.toml. Here: `bench`, `long` and `ray` tests
 run only when the -m expression names them (OPT_IN_TIERS); `gpu` tests skip without CUDA; `control_plane`
 builds (cached) and starts a real control plane once per session, lazily, so
-tests that do not ask for it never trigger a build.
+tests that do not ask for it never trigger a build; `report_figure` collects
+measured figures that the run's summary lists under "figures".
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 OPT_IN_TIERS = {
     "bench": "benchmark",
+    "long": "the chaos loops at full size (operator killed x10, API server x5, 100 jobs x 8 nodes; ~15 min on 2 cores)",
     "ray": "Ray launcher tier (a two-node Ray cluster; 4 actors importing torch per run, ~5 min on 2 cores)",
 }
 """Tiers that run only when the -m expression names them: too long for the default run."""
@@ -47,6 +49,32 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         skip_gpu = pytest.mark.skip(reason="needs CUDA (torch.cuda.is_available() is False)")
         for item in gpu_items:
             item.add_marker(skip_gpu)
+
+
+FIGURES = pytest.StashKey[list]()
+
+
+@pytest.fixture
+def report_figure(request: pytest.FixtureRequest):
+    """``report_figure(line)``: one line of figures a test measured, listed in the run's summary
+    (tagged with the test's parameter id, e.g. ``[long]``) and printed at once (seen with -s)."""
+    lines = request.config.stash.setdefault(FIGURES, [])
+    callspec = getattr(request.node, "callspec", None)
+    tag = f"[{callspec.id}] " if callspec is not None else ""
+
+    def report(line: str) -> None:
+        lines.append(f"{tag}{line}")
+        print(f"\nFIGURE {tag}{line}")
+
+    return report
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
+    lines = config.stash.get(FIGURES, [])
+    if lines:
+        terminalreporter.write_sep("=", "figures")
+        for line in lines:
+            terminalreporter.write_line(line)
 
 
 def _cuda_available() -> bool:
@@ -82,12 +110,15 @@ def control_plane_bin_dir() -> Path:
 
 
 @pytest.fixture(scope="session")
-def control_plane(control_plane_bin_dir: Path):
-    """A running ControlPlane (2 fake GPU nodes, kwok marks pods Running)."""
+def control_plane(control_plane_bin_dir: Path, pytestconfig: pytest.Config):
+    """A running ControlPlane (2 fake GPU nodes, kwok marks pods Running). Components that exited
+    on their own during the session (and were started again) are listed under "figures"."""
     from tests.controlplane.cluster import ControlPlane
 
     with ControlPlane(control_plane_bin_dir, nodes=2) as cp:
         yield cp
+        pytestconfig.stash.setdefault(FIGURES, []).extend(
+            f"control plane: {gone} (started again)" for gone in cp.restarts)
 
 
 @pytest.fixture

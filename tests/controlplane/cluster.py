@@ -6,6 +6,13 @@ kwok turns annotated Node objects into fake GPU nodes and moves bound pods
 from Pending to Running. No containers run: tests (or the e2e harness) write
 terminal pod phases themselves with :meth:`ControlPlane.set_pod_phase`.
 
+A component that exits on its own is started again with the same arguments,
+as a real cluster's kubelet (static pods) or systemd does: kube-scheduler, for
+one, exits by design when its cache finds a pod on another node than it had
+it on, which a watch gap makes happen (a node pod deleted and re-created under
+the same name while the API server was down). Each such exit is recorded in
+:attr:`ControlPlane.restarts`.
+
 Approach after envtest (controller-runtime) and kwok's own kwokctl "binary"
 runtime; see the repository's testbed notes.
 """
@@ -28,6 +35,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +49,9 @@ KWOK_NODE_ANNOTATION = ("kwok.x-k8s.io/node", "fake")
 SERVICE_CIDR = "10.96.0.0/16"
 KUBECTL = shutil.which("kubectl") or "/usr/bin/kubectl"
 TERMINAL_EXIT_CODES = {"Succeeded": 0, "Failed": 1}
+SUPERVISE_INTERVAL_S = 0.5
+MIN_RUN_BEFORE_RESTART_S = 1.0
+"""A component that exits is started again no sooner than this after its last start."""
 
 
 class ControlPlaneError(RuntimeError):
@@ -103,8 +114,39 @@ def _die_with_parent() -> None:
 
 
 def _pdeathsig_hook():
-    # PDEATHSIG fires when the forking *thread* exits, so only fork from main.
-    return _die_with_parent if threading.current_thread() is threading.main_thread() else None
+    # PDEATHSIG fires when the forking *thread* exits, so only from the main thread or the
+    # supervisor, which lives until ControlPlane.stop() has stopped every process.
+    thread = threading.current_thread()
+    long_lived = thread is threading.main_thread() or thread.name == SUPERVISOR_THREAD
+    return _die_with_parent if long_lived else None
+
+
+SUPERVISOR_THREAD = "controlplane-supervisor"
+
+
+@dataclass
+class _Component:
+    name: str
+    args: list[str]
+    proc: subprocess.Popen
+    log_path: Path
+    started_at: float
+
+
+@dataclass(frozen=True)
+class ComponentExit:
+    """A control plane component that exited on its own and was started again."""
+
+    name: str
+    returncode: int
+    at: float
+    """time.time() when the exit was seen."""
+    log_tail: str
+    """The last lines of its log before the exit."""
+
+    def __str__(self) -> str:
+        last = self.log_tail.splitlines()[-1] if self.log_tail else ""
+        return f"{self.name} exited {self.returncode} at {time.strftime('%H:%M:%S', time.gmtime(self.at))}: {last}"
 
 
 def _openssl(*args: str, cwd: Path) -> None:
@@ -195,7 +237,14 @@ class ControlPlane:
         self.server = ""
         self.kubeconfig = Path()
         self.ca_file = Path()
-        self._procs: list[tuple[str, subprocess.Popen, Path]] = []
+        self._components: list[_Component] = []
+        self._lock = threading.RLock()
+        self._starting: set[str] = set()
+        """Components a caller is waiting for (``_wait``): it, not the supervisor, handles their exit."""
+        self._supervisor: threading.Thread | None = None
+        self._stopping = threading.Event()
+        self.restarts: list[ComponentExit] = []
+        """Every exit of a component that the test did not cause, oldest first."""
         self._ssl: ssl.SSLContext | None = None
 
     def __enter__(self) -> ControlPlane:
@@ -223,6 +272,9 @@ class ControlPlane:
         except BaseException:
             self.stop(keep_workdir=True)
             raise
+        self._stopping.clear()
+        self._supervisor = threading.Thread(target=self._supervise, name=SUPERVISOR_THREAD, daemon=True)
+        self._supervisor.start()
         return self
 
     def stop(self, keep_workdir: bool = False) -> None:
@@ -231,10 +283,15 @@ class ControlPlane:
         One at a time, so the API server drains while etcd is still up
         (with etcd gone it retries until killed).
         """
-        for _, proc, _ in reversed(self._procs):
-            if proc.poll() is None:
-                _terminate(proc, self.stop_timeout_s)
-        self._procs.clear()
+        self._stopping.set()
+        with self._lock:  # the supervisor, seeing _stopping under this lock, starts nothing more
+            for component in reversed(self._components):
+                if component.proc.poll() is None:
+                    _terminate(component.proc, self.stop_timeout_s)
+            self._components.clear()
+        if self._supervisor is not None:
+            self._supervisor.join()
+            self._supervisor = None
         atexit.unregister(self.stop)
         keep = keep_workdir or os.environ.get("DISTFLOW_KEEP_CONTROLPLANE") == "1"
         if self.workdir is not None and not keep:
@@ -248,8 +305,39 @@ class ControlPlane:
             proc = subprocess.Popen([str(self.bin_dir / name), *args], stdout=log,
                                     stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                     cwd=self.workdir, preexec_fn=_pdeathsig_hook())  # noqa: PLW1509
-        self._procs.append((name, proc, log_path))
+        with self._lock:
+            self._components.append(_Component(name, args, proc, log_path, time.monotonic()))
         return proc
+
+    def pid(self, name: str) -> int:
+        """The process id of component ``name`` (e.g. "kube-scheduler")."""
+        with self._lock:
+            return next(c.proc.pid for c in self._components if c.name == name)
+
+    def _take(self, name: str) -> subprocess.Popen:
+        """Remove component ``name`` from supervision (the caller stops it) and return its process."""
+        with self._lock:
+            component = next(c for c in self._components if c.name == name)
+            self._components.remove(component)
+        return component.proc
+
+    def _supervise(self) -> None:
+        """Start again every component that exited on its own (see the module docstring)."""
+        while not self._stopping.wait(SUPERVISE_INTERVAL_S):
+            with self._lock:
+                if self._stopping.is_set():
+                    return
+                for component in list(self._components):
+                    if component.proc.poll() is None or component.name in self._starting:
+                        continue
+                    if time.monotonic() - component.started_at < MIN_RUN_BEFORE_RESTART_S:
+                        continue  # a crash loop restarts once a second at most
+                    tail = "\n".join(component.log_path.read_text(errors="replace").splitlines()[-5:])
+                    self.restarts.append(ComponentExit(component.name, component.proc.returncode, time.time(), tail))
+                    self._components.remove(component)
+                    with open(component.log_path, "a") as log:
+                        log.write(f"\n--- exited {component.proc.returncode}; started again by the test harness\n")
+                    self._spawn(component.name, component.args)
 
     def _fail(self, name: str, why: str) -> ControlPlaneError:
         log = self.workdir / f"{name}.log" if self.workdir else None
@@ -259,18 +347,28 @@ class ControlPlane:
         return ControlPlaneError(f"{name} {why} (work dir {self.workdir}); log tail:\n{tail}")
 
     def _wait(self, name: str, ready, timeout_s: float | None = None) -> None:
+        """Poll ``ready()`` until true; raise if a component exits meanwhile (only ``name`` once the
+        supervisor runs: it starts the others again) or at the timeout."""
         deadline = time.monotonic() + (timeout_s or self.start_timeout_s)
-        while time.monotonic() < deadline:
-            for started, proc, _ in self._procs:
-                if proc.poll() is not None:
-                    raise self._fail(started, f"exited with code {proc.returncode}")
-            try:
-                if ready():
-                    return
-            except (OSError, urllib.error.URLError, ssl.SSLError):
-                pass
-            time.sleep(0.1)
-        raise self._fail(name, f"not ready after {timeout_s or self.start_timeout_s:.0f} s")
+        with self._lock:
+            self._starting.add(name)
+        try:
+            while time.monotonic() < deadline:
+                with self._lock:
+                    watched = [c for c in self._components if self._supervisor is None or c.name == name]
+                for component in watched:
+                    if component.proc.poll() is not None:
+                        raise self._fail(component.name, f"exited with code {component.proc.returncode}")
+                try:
+                    if ready():
+                        return
+                except (OSError, urllib.error.URLError, ssl.SSLError):
+                    pass
+                time.sleep(0.1)
+            raise self._fail(name, f"not ready after {timeout_s or self.start_timeout_s:.0f} s")
+        finally:
+            with self._lock:
+                self._starting.discard(name)
 
     # -- components ------------------------------------------------------
 
@@ -320,9 +418,7 @@ class ControlPlane:
     def restart_apiserver(self, while_down: Any = None) -> None:
         """Stop kube-apiserver (SIGTERM), run ``while_down()`` if given, start it again on the same
         port and wait for /readyz. Clients keep their kubeconfig; their watches break."""
-        index = next(i for i, (name, _, _) in enumerate(self._procs) if name == "kube-apiserver")
-        _, proc, _ = self._procs.pop(index)
-        _terminate(proc, self.stop_timeout_s)
+        _terminate(self._take("kube-apiserver"), self.stop_timeout_s)
         if while_down is not None:
             while_down()
         self._start_apiserver(port=int(self.server.rsplit(":", 1)[1]))
@@ -368,8 +464,7 @@ class ControlPlane:
         kwok deletes pods by name, without the uid precondition a kubelet uses, so a
         paused kwok's backlog would delete a new pod that reuses a deleted one's name.
         """
-        index = next(i for i, (name, _, _) in enumerate(self._procs) if name == "kwok")
-        _, proc, _ = self._procs.pop(index)
+        proc = self._take("kwok")
         proc.kill()
         proc.wait()
 

@@ -19,8 +19,6 @@ import psutil
 
 from tests.operator._helpers import REPO
 
-LONG = os.environ.get("DISTFLOW_CHAOS_LONG") == "1"
-"""The long loops (issue-sized figures) run only when DISTFLOW_CHAOS_LONG=1."""
 LEASE_S = 3.0
 
 

@@ -3,6 +3,8 @@ phases that stick, owner-reference garbage collection, RBAC."""
 
 from __future__ import annotations
 
+import os
+import signal
 import time
 
 import pytest
@@ -48,6 +50,20 @@ def test_gpu_pod_is_scheduled_onto_kwok_node_and_runs(control_plane, k8s_namespa
 
     pod = wait_for(running)
     assert pod["spec"]["nodeName"] in control_plane.node_names
+
+
+def test_a_component_that_exits_is_started_again_and_recorded(control_plane, k8s_namespace):
+    # As a kubelet restarts a static pod: kube-scheduler exits by design on a corrupted cache.
+    seen = len(control_plane.restarts)
+    old_pid = control_plane.pid("kube-scheduler")
+    os.kill(old_pid, signal.SIGKILL)
+    gone = wait_for(lambda: control_plane.restarts[seen:], timeout_s=10)
+    assert [(g.name, g.returncode) for g in gone] == [("kube-scheduler", -signal.SIGKILL)]
+    assert control_plane.pid("kube-scheduler") != old_pid
+    del control_plane.restarts[seen:]  # caused by this test: not an exit to report
+    base = f"/api/v1/namespaces/{k8s_namespace}/pods"
+    control_plane.request("POST", base, gpu_pod("after-restart"), expect=(201,))
+    assert wait_for(lambda: control_plane.request("GET", f"{base}/after-restart")[1]["spec"].get("nodeName"))
 
 
 def test_pod_phase_written_by_test_is_not_reverted_by_kwok(control_plane, k8s_namespace):

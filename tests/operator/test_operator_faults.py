@@ -135,6 +135,47 @@ def test_pod_creation_forbidden_by_quota_is_reported_then_fails_the_job_with_one
     assert len(rejected) == 2 and all("exceeded quota" in e["message"] for e in rejected)
 
 
+@pytest.mark.parametrize("waiting, reason", [("ErrImagePull", "ImagePullFailed"),
+                                             ("CreateContainerConfigError", "InvalidPodConfig")])
+def test_pod_waiting_on_a_transient_error_fails_the_job_only_after_the_grace_period(
+        control_plane, k8s_namespace, api, operator, waiting, reason):
+    # No node matches, so no kubelet (kwok) touches the pods: the test writes what a kubelet writes
+    # while it cannot pull the image or find the Secret the pod needs.
+    api.create_job(example_job("stuck", runPolicy={"podErrorGraceSeconds": 8},
+                               template={"nodeSelector": {"distflow.io/no-such-pool": "x"}}))
+    pods = wait_for(lambda: len(p := api.live_pods("stuck")) == 2 and p, 30, what="2 node pods")
+    created = time.monotonic()
+    pod = pods[1]
+    container = pod["spec"]["containers"][0]
+    control_plane.request("PATCH", f"/api/v1/namespaces/{k8s_namespace}/pods/{pod['metadata']['name']}/status",
+                          {"status": {"containerStatuses": [{
+                              "name": container["name"], "image": container["image"], "imageID": "", "ready": False,
+                              "restartCount": 0, "state": {"waiting": {"reason": waiting, "message": "not yet"}}}]}},
+                          content_type="application/strategic-merge-patch+json", expect=(200,))
+    time.sleep(3)
+    assert api.status("stuck").get("phase") != "Failed", api.status("stuck")  # inside the grace period
+    status = api.wait_phase("stuck", "Failed", timeout_s=30)
+    assert time.monotonic() - created >= 6  # not before the grace period (8 s from the pod's creation)
+    assert status["reason"] == reason and "podErrorGraceSeconds=8" in status["message"], status
+
+
+def test_pod_refused_as_invalid_is_reported_then_fails_the_job_on_the_third_try(control_plane, k8s_namespace,
+                                                                                api, operator):
+    # A free-form volume the CRD cannot check: two sources in one volume, which pod validation refuses (422).
+    bad_volume = {"name": "data", "emptyDir": {}, "configMap": {"name": "data"}}
+    api.create_job(example_job("badvol", template={"volumes": [bad_volume]}))
+    waiting = api.wait_phase("badvol", "Pending", reason="PodCreationRejected", timeout_s=10)
+    assert "may not specify more than 1 volume type" in waiting["message"], waiting
+    status = api.wait_phase("badvol", "Failed", timeout_s=30)
+    assert status["reason"] == "PodCreationRejected" and "3 of 3 tries" in status["message"], status
+    assert not api.pods("badvol")
+    messages = [e["message"] for e in api.events("badvol") if e["reason"] == "PodCreationRejected"]
+    # One event per distinct refusal (the API server names the pod it refused: one or two of them over
+    # the three passes), then one for the failure; no refusal is repeated.
+    assert len(set(messages)) == len(messages) and 2 <= len(messages) <= 3, messages
+    assert sum("3 of 3 tries" in m for m in messages) == 1, messages
+
+
 def test_job_forbidden_for_a_while_runs_once_the_quota_is_lifted(control_plane, k8s_namespace, api, operator):
     _one_pod_quota(control_plane, api, k8s_namespace)
     api.create_job(example_job("lifted"))

@@ -24,6 +24,13 @@ class _Stub(BaseHTTPRequestHandler):
                            "type": self.headers["Content-Type"], "body": body})
         self._answer(409 if body["metadata"]["name"] == "taken" else 201, {"kind": "ConfigMap"})
 
+    def do_DELETE(self):  # noqa: N802
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        _Stub.seen.append({"method": "DELETE", "path": self.path, "body": body})
+        name = self.path.rsplit("/", 1)[1]
+        status = {"gone": 404, "reused": 409}.get(name, 200)  # reused: the name holds another uid
+        self._answer(status, {"kind": "Status" if status != 200 else "Pod"})
+
     def do_GET(self):  # noqa: N802
         self._answer(404, {"reason": "NotFound", "message": "configmaps \"x\" not found"})
 
@@ -64,3 +71,10 @@ def test_an_unexpected_status_raises_with_the_servers_reason(api):
     with pytest.raises(KubeApiError) as err:
         api.request("GET", "/api/v1/namespaces/ns/configmaps/x")
     assert (err.value.status, err.value.reason) == (404, "NotFound")
+
+
+def test_deleting_a_pod_that_is_gone_or_replaced_counts_as_gone(api):
+    assert [api.delete_pod("ns", name, "uid-1") for name in ("live", "gone", "reused")] == [False, True, True]
+    assert [api.force_delete_pod("ns", name, "uid-1") for name in ("live", "gone")] == [False, True]
+    assert _Stub.seen[0]["body"] == {"preconditions": {"uid": "uid-1"}}
+    assert _Stub.seen[3]["body"] == {"preconditions": {"uid": "uid-1"}, "gracePeriodSeconds": 0}

@@ -11,11 +11,11 @@ from pathlib import Path
 import pytest
 import yaml
 
-from distflow_operator.kube import ChildConflict
+from distflow_operator.kube import ChildConflict, StatusConflict
 from distflow_operator.metrics import OperatorMetrics
 from distflow_operator.observed import pod_view
 from distflow_operator.podcache import PodCache
-from distflow_operator.reconcile import Reconciler
+from distflow_operator.reconcile import CONFLICT_RETRY_S, Reconciler
 
 pytestmark = pytest.mark.unit
 
@@ -116,6 +116,24 @@ def test_gang_restart_writes_the_attempt_then_replaces_every_pod():
     assert ("create", "grpo-tiny-node-0", "2") in api.calls and ("create", "grpo-tiny-node-1", "2") in api.calls
     assert doc["status"]["restarts"] == 1 and doc["status"]["phase"] == "Running"
     assert metrics._gang_restarts == 1
+
+
+def test_a_status_write_that_lost_a_race_acts_on_nothing_and_decides_again():
+    reconciler, api, doc, _, _ = setup()
+    write = api.patch_job_status
+    races = iter([True])
+
+    def racing(namespace, name, patch, resource_version=None):
+        if next(races, False):  # another writer changed the job since the version this pass read
+            api.calls.append(("conflict", patch.get("phase")))
+            raise StatusConflict(f"{name} changed since resourceVersion {resource_version}")
+        return write(namespace, name, patch, resource_version)
+
+    api.patch_job_status = racing
+    first = asyncio.run(reconciler.reconcile(KEY))
+    assert (api.calls, first) == ([("conflict", "Pending")], CONFLICT_RETRY_S)
+    asyncio.run(reconciler.reconcile(KEY))
+    assert api.calls[1:3] == [("status", "Pending", 1), ("ensure", "ConfigMap")]
 
 
 def test_own_status_write_wins_over_a_stale_watch_cache():
