@@ -336,6 +336,29 @@ the funnel section measures each rank's peak during a 32k-token edge. The
 targets table says whether the 1.5x target holds for the run shown here.
 """
 
+LOADING = """
+Peak host RSS of each rank while it loads SmolLM2-135M (float32) as the
+actor, in W fresh gloo processes, less its RSS before (the imports). "Whole
+then shard" is the runtime before issue 11: every rank runs
+`from_pretrained` on the whole model, then `fully_shard`. "Sharded load" is
+`engines.loading.load_sharded_causal_lm`: the model is built on the meta
+device, sharded, and each rank reads only its rows from the safetensors
+file. The sharded figure must fall as W grows; the whole-model one cannot.
+Alone: `PYTHONPATH=worker_image:operator:. python -m tests.bench.loading --world 2 4`.
+"""
+
+LOGPROB = """
+Peak RSS growth of one micro-batch's log-prob pass (b = 4 sequences, 64
+prompt + 512 response tokens, the tiny model with SmolLM2's 49,152-token
+vocabulary so the logits dominate), as the reference pass (no grad) and as
+the actor's (forward and backward of a token-mean loss with an entropy
+bonus), each in a fresh process. "Before" is the pre-issue-11 path (whole
+logits upcast and tempered, float32 chunks kept by autograd); "after" is
+`model_ops.forward_log_probs` (blockwise, entropy without gradient unless
+its coefficient needs it). Alone:
+`PYTHONPATH=worker_image:operator:. python -m tests.bench.logprob_memory`.
+"""
+
 
 def _e2e_ratios(e2e: dict) -> str:
     """The measured ratio (workers x threads as set), and the 1-worker check's when it ran."""

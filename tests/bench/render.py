@@ -291,6 +291,29 @@ def render_memory(result: dict) -> str:
                                               "peak / need"], rows), spread])
 
 
+def render_loading(result: dict) -> str:
+    """Peak host RSS per rank while loading, before (whole model, then ``fully_shard``) and after."""
+    rows = []
+    for world in sorted({int(k.split("=")[1]) for k in result}):
+        for rank, (b, a) in enumerate(zip(result[f"before/W={world}"], result[f"after/W={world}"])):
+            rows.append([world, rank, f"{b['peak_mib']:.1f}", f"{a['peak_mib']:.1f}",
+                         f"{a['peak_mib'] / b['peak_mib']:.2f}", f"{a['local_shard_mib']:.1f}"])
+    return md_table(["W", "rank", "whole then shard: peak MiB", "sharded load: peak MiB", "sharded / whole",
+                     "local shard MiB"], rows)
+
+
+def render_logprob(result: dict) -> str:
+    """Peak RSS growth of the log-prob pass, per logits dtype and pass, before and after."""
+    rows = []
+    for dtype in dict.fromkeys(k.split("/")[1] for k in result):
+        b, a = result[f"before/{dtype}"], result[f"after/{dtype}"]
+        for name in ("no_grad", "forward_backward"):
+            rows.append([dtype, f"{b['logits_mib']:.0f}", name.replace("_", " "), f"{b[name + '_mib']:.0f}",
+                         f"{a[name + '_mib']:.0f}", f"{a[name + '_mib'] / b[name + '_mib']:.2f}"])
+    return md_table(["logits dtype", "[b, R, V] logits MiB", "pass", "before MiB", "after MiB", "after / before"],
+                    rows)
+
+
 def render_gpu(result: dict | None) -> str:
     if not result:
         return ("**Not run yet.** No GPU machine was lent to the session that wrote this report. Run "
