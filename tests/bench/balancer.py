@@ -47,7 +47,7 @@ def gsm8k_lengths(limit: int | None = None) -> tuple[int, ...]:
     from distflow.data.sources import open_source
     from distflow.engines.rollout import render_prompts
     from distflow.models import load_tokenizer, resolve_model
-    from distflow.worker import model_cache_dir
+    from distflow.models import model_cache_dir
 
     tokenizer = load_tokenizer(resolve_model("smollm2", model_cache_dir()))
     rows = [json.loads(line) for line in (gsm8k_dir() / "train.jsonl").read_text().splitlines() if line]

@@ -199,7 +199,7 @@ def balancer_text(results: dict) -> str:
 
 
 DOUBLE_BUFFER = """
-`DoubleBuffer.swap()` at a step boundary with the retiring generation
+`StepBuffer.swap()` at a step boundary with the finished step
 holding S bytes (16 tensors, pages touched), against dropping the same bytes
 on the caller's thread. Run in a fresh process with a fixed mmap threshold
 (128 KiB) so freed buffers go back to the OS at once; at 1 MiB the 64 KiB
@@ -440,7 +440,7 @@ def targets_table(results: dict, tables: dict, gpu: dict | None) -> str:
     if "rows" in dbuf:
         swaps = [r["swap_seconds"] for r in dbuf["rows"]]
         big = dbuf["rows"][-1]
-        rows.append(["double-buffer swap flat from 1 MB to 1 GB; freeing off the critical path",
+        rows.append(["step-buffer swap flat from 1 MB to 1 GB; freeing off the critical path",
                      f"swap {min(swaps) * 1e6:.0f}-{max(swaps) * 1e6:.0f} us; 1 GiB freed in background "
                      f"({big['background_free_seconds'] * 1e3:.0f} ms) instead of inline "
                      f"({big['inline_free_seconds'] * 1e3:.0f} ms)", _status(max(swaps) < 1e-3)])

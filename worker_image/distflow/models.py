@@ -309,3 +309,8 @@ def load_causal_lm(local_dir: str | os.PathLike, dtype: str | torch.dtype = "flo
 def num_parameters(model: torch.nn.Module) -> int:
     """Number of distinct parameters (tied weights counted once)."""
     return sum(p.numel() for p in model.parameters())
+
+
+def model_cache_dir() -> Path:
+    """Where converted and tiny models are cached (DISTFLOW_CACHE, else ~/.cache/distflow)."""
+    return Path(os.environ.get("DISTFLOW_CACHE", Path.home() / ".cache" / "distflow"))

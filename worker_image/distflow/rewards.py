@@ -27,7 +27,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from distflow.data.sources import PromptRecord
+from distflow.data.records import PromptRecord
 from distflow.names import BUILTIN_REWARDS, registry
 
 RewardFn = Callable[[str, str, dict], float]

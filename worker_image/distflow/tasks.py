@@ -26,7 +26,7 @@ from typing import Sequence
 
 import numpy as np
 
-from distflow.data.sources import PromptRecord
+from distflow.data.records import PromptRecord
 from distflow.names import ARITHMETIC_SPLITS
 
 ARITHMETIC_DATA_SOURCE = "arithmetic"

@@ -19,7 +19,6 @@ import os
 import random
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 import torch
@@ -31,7 +30,7 @@ from distflow.data.buffer import NodeBuffer
 from distflow.data.counters import TransferCounters
 from distflow.data.loader import ShardedPromptLoader
 from distflow.data.prompt_fit import fit_prompts, scan_share
-from distflow.data.sources import open_source
+from distflow.data.sources import dataset_source
 from distflow.engines import fsdp
 from distflow.engines.actor import Actor
 from distflow.engines.critic import build_critic
@@ -41,13 +40,12 @@ from distflow.engines.rollout import (
 )
 from distflow.exporter import NodeExporter
 from distflow.metrics import JsonlWriter, StepMetrics
-from distflow.models import DTYPES, load_causal_lm, load_tokenizer, resolve_model
+from distflow.models import DTYPES, load_causal_lm, load_tokenizer, model_cache_dir, resolve_model
 from distflow.planner import ROLLOUT, build_plan
 from distflow.rewards import compute_scores
 from distflow.spec import JobSpec
 from distflow.stages import STAGES
 from distflow.stages_ppo import build_kl_controller
-from distflow.tasks import ArithmeticSource, ArithmeticTask
 
 
 @dataclass(frozen=True)
@@ -205,7 +203,7 @@ class DagWorker:
     def _build_data(self) -> None:
         spec = self.spec
         dp = self.plan.layouts[ROLLOUT].dp_size
-        train = prompt_source(spec.data.train)
+        train = dataset_source(spec.data.train)
         fitted = self._fit_prompts(train, "data.train")
         self.num_filtered_prompts = train.num_records - fitted.num_records
         self.loader = ShardedPromptLoader(fitted, spec.data.train_batch_size,
@@ -214,7 +212,7 @@ class DagWorker:
         # This rank's share of the eval set, and each record's index in the whole set.
         self.eval_records, self.eval_indices = [], []
         if spec.data.eval is not None:
-            source = self._fit_prompts(prompt_source(spec.data.eval), "data.eval")
+            source = self._fit_prompts(dataset_source(spec.data.eval), "data.eval")
             n = source.num_records
             self.eval_indices = [i for i in range(n) if i % dp == self.rollout_dp_rank]
             self.eval_records = source.read(self.eval_indices)
@@ -430,14 +428,6 @@ class DagWorker:
             dist.destroy_process_group()
 
 
-def prompt_source(ds):
-    """The PromptSource of a DatasetSpec (a file, or a built-in task with its difficulty)."""
-    if (split := ds.arithmetic_split) is not None:
-        task = ArithmeticTask(min_operand=ds.min_operand, max_operand=ds.max_operand)
-        return ArithmeticSource(num_records=ds.size or 4096, seed=ds.seed, split=split, task=task)
-    return open_source(ds.path, size=ds.size, seed=ds.seed)
-
-
 def run_worker(spec: JobSpec, env: WorkerEnv, progress=None) -> list[dict[str, float]]:
     """Entry point of one worker process."""
     configure_malloc()
@@ -450,7 +440,3 @@ def run_worker(spec: JobSpec, env: WorkerEnv, progress=None) -> list[dict[str, f
     worker.close()
     return history
 
-
-def model_cache_dir() -> Path:
-    """Where converted and tiny models are cached (DISTFLOW_CACHE, else ~/.cache/distflow)."""
-    return Path(os.environ.get("DISTFLOW_CACHE", Path.home() / ".cache" / "distflow"))
