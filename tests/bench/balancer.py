@@ -75,7 +75,9 @@ def draw(dataset: str, pool: list[int], count: int, seed: int) -> list[float]:
 
 
 def partitioners() -> dict:
-    from distflow.data.balance import balance_partition, contiguous_partition, karmarkar_karp_partition
+    from distflow.data.balance import balance_partition, karmarkar_karp_partition
+
+    from tests.bench.partitioners import contiguous_partition
 
     return {
         "lpt": balance_partition,
@@ -133,12 +135,12 @@ def _coordinator_plans() -> dict:
 
     ``runtime`` is what the coordinator and ``exchange`` run on rank 0:
     ``balanced_assignment`` (balancer + bin-to-rank matching), ``plan_for_rank``
-    (this rank's send row and receive column) and ``exchange._rank_wire_sizes``.
+    (this rank's send row and receive column) and ``wire.rank_wire_sizes``.
     The metadata all-gathers before it are measured by the funnel.
     """
     import torch
 
-    from distflow.data import exchange
+    from distflow.data import wire
     from distflow.data.redistribute import balanced_assignment, plan_for_rank
 
     from tests.bench.funnel import make_batch
@@ -149,7 +151,7 @@ def _coordinator_plans() -> dict:
         held = _holdings(k, per)
         plan = plan_for_rank(held, balanced_assignment(held, costs), 0)
         lengths = [[int(costs[g]) for g in ids] for ids in held]
-        exchange._rank_wire_sizes(plan, schema, lengths, None, torch.device("cpu"))
+        wire.rank_wire_sizes(plan, schema, lengths, None, torch.device("cpu"))
 
     return {"runtime": runtime}
 

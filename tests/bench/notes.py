@@ -360,7 +360,7 @@ def runtime_changes(results: dict, tables: dict) -> str:
                 "(oversubscribed cores);" if last else "")
         count = _WORDS.get(gathers, gathers) if gathers is not None else "Several"
         items.append(f"""**{count} metadata all-gathers per edge**
-   (`exchange.allgather_lengths`: counts, then lengths padded to the longest; `exchange._gather_metadata`: a
+   (`exchange.allgather_lengths`: counts, then lengths padded to the longest; `exchange.checked_lengths`: a
    schema-digest all-gather even when `all_lengths` is given). On balanced edges with shared prompt
    prefixes the coordinator gathers `[seq_len, group_index, prompt_len]` per sample once (one
    counts-then-rows pair serves both the lengths and the prompt groups) and the exchange still adds
@@ -373,7 +373,7 @@ def runtime_changes(results: dict, tables: dict) -> str:
                     f"at N = {last['world_size']}, L = {last['nominal_tokens']})")
     else:
         measured = ""
-    items.append(f"""**The assemble copy** (`exchange._assemble`): every received byte is copied once more into a
+    items.append(f"""**The assemble copy** (`wire.assemble`): every received byte is copied once more into a
    contiguous batch{measured}, and the actor then copies it again into padded micro-batches
    (`model_ops.collate`). Returning the pieces (or collating straight from them) saves one full copy
    per edge.""")

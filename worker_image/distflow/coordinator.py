@@ -32,7 +32,8 @@ from distflow.data.balance import imbalance, sample_cost
 from distflow.data.batch import PackedBatch
 from distflow.data.buffer import NodeBuffer, StepBuffer
 from distflow.data.counters import TransferCounters
-from distflow.data.exchange import exchange, exchange_centralized, gather_metadata
+from distflow.data.centralized import exchange_centralized
+from distflow.data.exchange import exchange, gather_metadata
 from distflow.data.redistribute import balanced_assignment, plan_digest, plan_for_rank, plan_redistribution
 from distflow.planner import ROLLOUT, Plan, PlannedNode, same_samples
 from distflow.spec import JobSpec
