@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from distflow.errors import DistflowConfigError
+from distflow.fields import producers
 from distflow.spec import BUILTIN_WORKFLOWS, GROUP_ESTIMATORS, NODE_ROLES, JobSpec, WorkflowNodeSpec
 
 ROLLOUT = "rollout"
@@ -196,20 +197,21 @@ def _validate_nodes(nodes: list[WorkflowNodeSpec]) -> list[str]:
     return problems + _filter_problems(nodes)
 
 
-def _reads(role: str, spec: JobSpec) -> list[tuple[str, tuple[str, ...]]]:
-    """(field, roles that produce it) for each field a node of ``role`` reads."""
+def _reads(role: str, spec: JobSpec) -> list[tuple[str, ...]]:
+    """The fields a node of ``role`` reads: for each read, the fields any of which will do
+    (the first names it); their producers are declared in ``distflow.fields``."""
     alg = spec.algorithm
-    scores = ("token_level_scores", ("reward", "reward_shaping"))
+    kl_in_reward = [("ref_log_probs",), ("old_log_probs",)] if alg.use_kl_in_reward else []
     reads = {
-        "reward": [], "reference": [], "old_log_prob": [], "values": [],
-        "filter_groups": [("scores", ("reward",))],
-        "reward_shaping": [("scores", ("reward",))]
-        + ([("ref_log_probs", ("reference",)), ("old_log_probs", ("old_log_prob",))] if alg.use_kl_in_reward else []),
-        "advantage": [scores] + ([("values", ("values",))] if alg.advantage_estimator == "gae" else []),
-        "critic": [("values", ("values",)), ("returns", ("advantage",))],
-        "actor": [("advantages", ("advantage",))]
-        + ([("ref_log_probs", ("reference",))] if alg.use_kl_loss else [])
-        + ([("old_log_probs", ("old_log_prob",))] if _needs_old_log_probs(spec) else []),
+        "filter_groups": [("scores",)],
+        "reward_shaping": [("scores",)] + kl_in_reward,
+        # shaped rewards when a reward_shaping node ran, else the scores
+        "advantage": [("token_level_scores", "token_level_rewards")]
+        + ([("values",)] if alg.advantage_estimator == "gae" else []),
+        "critic": [("values",), ("returns",)],
+        "actor": [("advantages",)]
+        + ([("ref_log_probs",)] if alg.use_kl_loss else [])
+        + ([("old_log_probs",)] if _needs_old_log_probs(spec) else []),
     }
     return reads.get(role, [])
 
@@ -246,10 +248,11 @@ def _data_problems(nodes: list[WorkflowNodeSpec], spec: JobSpec) -> list[str]:
             continue
         if "custom" in roles:
             continue
-        for read, producers in _reads(n.role, spec):
-            if not roles & set(producers):
-                problems.append(f"{path}.deps: role {n.role} reads {read}, which no node it depends on "
-                                f"produces; add a node with role {' or '.join(producers)} to its deps "
+        for read in _reads(n.role, spec):
+            roles_producing = producers(*read)
+            if not roles & set(roles_producing):
+                problems.append(f"{path}.deps: role {n.role} reads {read[0]}, which no node it depends on "
+                                f"produces; add a node with role {' or '.join(roles_producing)} to its deps "
                                 "(directly or through another node)")
     return problems
 
