@@ -7,6 +7,8 @@ from pathlib import Path
 
 import pytest
 
+from distflow.planner import find_cycle
+
 pytestmark = pytest.mark.unit
 
 PACKAGE = Path(__file__).resolve().parents[2] / "worker_image" / "distflow"
@@ -61,25 +63,7 @@ def _parents(module: str) -> list[str]:
 
 
 def _find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
-    state: dict[str, int] = {}
-    stack: list[str] = []
-
-    def visit(v: str) -> list[str] | None:
-        state[v] = 1
-        stack.append(v)
-        for d in sorted(graph.get(v, ())):
-            if state.get(d) == 1:
-                return stack[stack.index(d):] + [d]
-            if d not in state and (cycle := visit(d)):
-                return cycle
-        state[v] = 2
-        stack.pop()
-        return None
-
-    for v in sorted(graph):
-        if v not in state and (cycle := visit(v)):
-            return cycle
-    return None
+    return find_cycle({v: sorted(graph[v]) for v in sorted(graph)})
 
 
 def test_no_import_cycle_between_distflow_modules():

@@ -24,7 +24,7 @@ use. Per-node options are passed through untouched to the node's handler.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Mapping, Sequence
 
 from distflow.errors import DistflowConfigError
 from distflow.fields import producers
@@ -270,8 +270,12 @@ def _filter_problems(nodes: list[WorkflowNodeSpec]) -> list[str]:
     return problems
 
 
-def _find_cycle(nodes: list[WorkflowNodeSpec]) -> list[str] | None:
-    deps = {n.id: list(n.deps) for n in nodes}
+def find_cycle(deps: Mapping[str, Sequence[str]]) -> list[str] | None:
+    """A dependency cycle ``[a, b, ..., a]`` of the graph ``deps`` (node -> what it depends on), or None.
+
+    Depth-first, in the order of ``deps`` and of each node's dependencies, so the
+    same graph always names the same cycle.
+    """
     state: dict[str, int] = {}
     stack: list[str] = []
 
@@ -287,8 +291,8 @@ def _find_cycle(nodes: list[WorkflowNodeSpec]) -> list[str] | None:
         stack.pop()
         return None
 
-    for n in nodes:
-        if n.id not in state and (cyc := visit(n.id)):
+    for v in deps:
+        if v not in state and (cyc := visit(v)):
             return cyc
     return None
 
@@ -351,7 +355,7 @@ def build_plan(spec: JobSpec) -> Plan:
     problems = _validate_nodes(nodes)
     if problems:
         raise DistflowConfigError(problems)
-    if cycle := _find_cycle(nodes):
+    if cycle := find_cycle({n.id: list(n.deps) for n in nodes}):
         raise DistflowConfigError(
             f"spec.workflow.nodes: cycle {' -> '.join(cycle)}; a workflow must be acyclic")
     if problems := _data_problems(nodes, spec):
