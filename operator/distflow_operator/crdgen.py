@@ -81,7 +81,7 @@ _MINI = "self.actor.ppoMiniBatchSize"
 _BATCH = "self.data.trainBatchSize"
 
 SPEC_RULES: list[dict[str, str]] = [
-    # Mirror distflow.spec._size_problems: same fields, same fixes. The numbers stay in
+    # Mirror distflow.spec.validation.size_problems: same fields, same fixes. The numbers stay in
     # pydantic's messages only: a messageExpression with string(int) exceeds the API
     # server's CEL cost budget (it estimates such strings as unbounded).
     {"rule": f"{_TP} < 1 || {_WORLD} % {_TP} == 0",

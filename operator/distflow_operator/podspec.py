@@ -19,7 +19,7 @@ from __future__ import annotations
 from typing import Any
 
 from distflow.spec import JobSpec
-from distflow.spec_pod import PvcVolumeSpec, SecurityContextSpec, TopologySpreadSpec
+from distflow.spec.pod import PvcVolumeSpec, SecurityContextSpec, TopologySpreadSpec
 
 KUEUE_QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
 KUEUE_GROUP_LABEL = "kueue.x-k8s.io/pod-group-name"

@@ -47,7 +47,7 @@ def gsm8k_lengths(limit: int | None = None) -> tuple[int, ...]:
     from distflow.data.sources import open_source
     from distflow.engines.rollout import render_prompts
     from distflow.models import load_tokenizer, resolve_model
-    from distflow.worker import model_cache_dir
+    from distflow.models import model_cache_dir
 
     tokenizer = load_tokenizer(resolve_model("smollm2", model_cache_dir()))
     rows = [json.loads(line) for line in (gsm8k_dir() / "train.jsonl").read_text().splitlines() if line]
@@ -75,7 +75,9 @@ def draw(dataset: str, pool: list[int], count: int, seed: int) -> list[float]:
 
 
 def partitioners() -> dict:
-    from distflow.data.balance import balance_partition, contiguous_partition, karmarkar_karp_partition
+    from distflow.data.balance import balance_partition, karmarkar_karp_partition
+
+    from tests.bench.partitioners import contiguous_partition
 
     return {
         "lpt": balance_partition,
@@ -133,12 +135,12 @@ def _coordinator_plans() -> dict:
 
     ``runtime`` is what the coordinator and ``exchange`` run on rank 0:
     ``balanced_assignment`` (balancer + bin-to-rank matching), ``plan_for_rank``
-    (this rank's send row and receive column) and ``exchange._rank_wire_sizes``.
+    (this rank's send row and receive column) and ``wire.rank_wire_sizes``.
     The metadata all-gathers before it are measured by the funnel.
     """
     import torch
 
-    from distflow.data import exchange
+    from distflow.data import wire
     from distflow.data.redistribute import balanced_assignment, plan_for_rank
 
     from tests.bench.funnel import make_batch
@@ -149,7 +151,7 @@ def _coordinator_plans() -> dict:
         held = _holdings(k, per)
         plan = plan_for_rank(held, balanced_assignment(held, costs), 0)
         lengths = [[int(costs[g]) for g in ids] for ids in held]
-        exchange._rank_wire_sizes(plan, schema, lengths, None, torch.device("cpu"))
+        wire.rank_wire_sizes(plan, schema, lengths, None, torch.device("cpu"))
 
     return {"runtime": runtime}
 

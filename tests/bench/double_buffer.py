@@ -1,10 +1,10 @@
-"""The double buffer: swap cost against generation size, and freeing off the critical path.
+"""The step buffer: swap cost against step size, and freeing off the critical path.
 
 For each size S (1 MiB .. 1 GiB) a step's data is S bytes in 16 tensors
 (pages touched, as real step data is). Measured, alternating inline and
 buffered frees, median over repeats:
 
-- ``swap``: ``DoubleBuffer.swap()`` when the generation it retires holds S
+- ``swap``: ``StepBuffer.swap()`` when the step it retires holds S
   bytes: what the step boundary costs the training loop;
 - ``inline_free``: dropping the same S bytes on the caller's thread (what a
   plain ``dict.clear()`` at the step boundary would cost);
@@ -47,12 +47,11 @@ def _generation(nbytes: int) -> dict:
 
 def _swap_once(nbytes: int) -> dict:
     """One buffered step boundary retiring ``nbytes``."""
-    from distflow.data.buffer import DoubleBuffer
+    from distflow.data.buffer import StepBuffer
 
-    buf = DoubleBuffer()
+    buf = StepBuffer()
     for key, value in _generation(nbytes).items():
         buf.put(key, value)
-    buf.swap()  # the S bytes are now `previous`; the next swap retires them
     before = _rss()
     start = time.perf_counter()
     buf.swap()

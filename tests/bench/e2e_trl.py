@@ -141,7 +141,7 @@ def trl_child(s: Settings, out_path: str) -> None:
     from distflow.data.sources import open_source
     from distflow.models import load_causal_lm, load_tokenizer, resolve_model
     from distflow.rewards import gsm8k_reward
-    from distflow.worker import model_cache_dir
+    from distflow.models import model_cache_dir
 
     torch.set_num_threads(s.threads)
     torch.manual_seed(s.seed)

@@ -93,7 +93,7 @@ def _plan_edge(batch, rank_plan: bool = False):
 
 def _byte_matrices(batch, plan, lengths):
     """(wire[src][dst] of the distributed exchange, inbound[r], outbound[r] of the centralized one)."""
-    from distflow.data.exchange import piece_nbytes
+    from distflow.data.wire import piece_nbytes
 
     schema = batch.field_schema()
     lens = [x.tolist() for x in lengths]
@@ -138,7 +138,8 @@ def _run_variant(name, batch, ctx):
     import torch.distributed as dist
 
     from distflow.data.counters import TransferCounters
-    from distflow.data.exchange import exchange, exchange_centralized
+    from distflow.data.centralized import exchange_centralized
+    from distflow.data.exchange import exchange
 
     rank, world = dist.get_rank(), dist.get_world_size()
     dist.barrier()
@@ -273,8 +274,9 @@ def count_messages(batch) -> dict[str, dict[str, int]]:
     return out
 
 
-_PHASES = {"_gather_metadata": "metadata all-gathers", "_pack_into": "pack", "all_to_all_single": "all_to_all",
-           "_assemble": "assemble", "_rank_wire_sizes": "wire sizes"}
+# exchange's own names for the wire functions it calls (distflow.data.wire), wrapped where it looks them up
+_PHASES = {"checked_lengths": "metadata all-gathers", "pack_into": "pack", "all_to_all_single": "all_to_all",
+           "assemble": "assemble", "rank_wire_sizes": "wire sizes"}
 
 
 def exchange_phases(batch, ctx, repeats: int = 5) -> dict[str, float]:

@@ -209,7 +209,7 @@ def weight_allgather_bytes(model_dir: Path, workers: int, gather_itemsize: int) 
 def grpo(device: torch.device, quick: bool, budget) -> dict:
     """``grpo_run`` on SmolLM2 (a tiny model in the dry run), then on the largest random Llama that fits."""
     from distflow.models import resolve_model
-    from distflow.worker import model_cache_dir
+    from distflow.models import model_cache_dir
 
     workers = torch.cuda.device_count() if device.type == "cuda" else 1  # the exchange part runs 2 CPU ranks
     first = "tiny:byte" if quick else "smollm2"

@@ -76,7 +76,8 @@ def _measure(rank: int, world: int, device: torch.device, nominal: int, per_rank
     import torch.distributed as dist
 
     from distflow.data.counters import TransferCounters
-    from distflow.data.exchange import exchange, exchange_centralized
+    from distflow.data.centralized import exchange_centralized
+    from distflow.data.exchange import exchange
 
     batch = _on(make_batch(sample_lengths(rank, per_rank, nominal), rank), device)
     metadata, plan = _plan_edge(batch)

@@ -43,7 +43,7 @@ def measure(num_prompts: int = 64, n: int = 8, max_new_tokens: int = 128, dtype:
     from distflow.engines.rollout import SamplingParams
     from distflow.engines.vllm_rollout import VllmConfig, VllmRollout
     from distflow.models import load_tokenizer, resolve_model
-    from distflow.worker import model_cache_dir
+    from distflow.models import model_cache_dir
 
     model_dir = str(resolve_model("smollm2", model_cache_dir()))
     tokenizer = load_tokenizer(model_dir)

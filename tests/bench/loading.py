@@ -31,7 +31,7 @@ def _load_on_rank(rank: int, world: int, way: str) -> dict:
     from distflow.engines import fsdp
     from distflow.engines.loading import load_sharded_causal_lm
     from distflow.models import load_causal_lm, resolve_model
-    from distflow.worker import model_cache_dir
+    from distflow.models import model_cache_dir
 
     model_dir = resolve_model("smollm2", model_cache_dir())
     mesh = fsdp.dp_mesh(torch.device("cpu"), world)

@@ -115,7 +115,7 @@ def need_bytes(num_params: int, world_size: int) -> int:
 
 def smollm2_num_parameters() -> int:
     from distflow.models import load_causal_lm, num_parameters, resolve_model
-    from distflow.worker import model_cache_dir
+    from distflow.models import model_cache_dir
 
     return num_parameters(load_causal_lm(resolve_model("smollm2", model_cache_dir())))
 

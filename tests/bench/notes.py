@@ -199,7 +199,7 @@ def balancer_text(results: dict) -> str:
 
 
 DOUBLE_BUFFER = """
-`DoubleBuffer.swap()` at a step boundary with the retiring generation
+`StepBuffer.swap()` at a step boundary with the finished step
 holding S bytes (16 tensors, pages touched), against dropping the same bytes
 on the caller's thread. Run in a fresh process with a fixed mmap threshold
 (128 KiB) so freed buffers go back to the OS at once; at 1 MiB the 64 KiB
@@ -383,7 +383,7 @@ def runtime_changes(results: dict, tables: dict) -> str:
                 "(oversubscribed cores);" if last else "")
         count = _WORDS.get(gathers, gathers) if gathers is not None else "Several"
         items.append(f"""**{count} metadata all-gathers per edge**
-   (`exchange.allgather_lengths`: counts, then lengths padded to the longest; `exchange._gather_metadata`: a
+   (`exchange.allgather_lengths`: counts, then lengths padded to the longest; `exchange.checked_lengths`: a
    schema-digest all-gather even when `all_lengths` is given). On balanced edges with shared prompt
    prefixes the coordinator gathers `[seq_len, group_index, prompt_len]` per sample once (one
    counts-then-rows pair serves both the lengths and the prompt groups) and the exchange still adds
@@ -396,7 +396,7 @@ def runtime_changes(results: dict, tables: dict) -> str:
                     f"at N = {last['world_size']}, L = {last['nominal_tokens']})")
     else:
         measured = ""
-    items.append(f"""**The assemble copy** (`exchange._assemble`): every received byte is copied once more into a
+    items.append(f"""**The assemble copy** (`wire.assemble`): every received byte is copied once more into a
    contiguous batch{measured}, and the actor then copies it again into padded micro-batches
    (`model_ops.collate`). Returning the pieces (or collating straight from them) saves one full copy
    per edge.""")
@@ -463,7 +463,7 @@ def targets_table(results: dict, tables: dict, gpu: dict | None) -> str:
     if "rows" in dbuf:
         swaps = [r["swap_seconds"] for r in dbuf["rows"]]
         big = dbuf["rows"][-1]
-        rows.append(["double-buffer swap flat from 1 MB to 1 GB; freeing off the critical path",
+        rows.append(["step-buffer swap flat from 1 MB to 1 GB; freeing off the critical path",
                      f"swap {min(swaps) * 1e6:.0f}-{max(swaps) * 1e6:.0f} us; 1 GiB freed in background "
                      f"({big['background_free_seconds'] * 1e3:.0f} ms) instead of inline "
                      f"({big['inline_free_seconds'] * 1e3:.0f} ms)", _status(max(swaps) < 1e-3)])

@@ -228,7 +228,7 @@ def render_double_buffer(result: dict) -> str:
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(6, 4))
     sizes = [r["bytes"] / 2**20 for r in rows]
-    ax.plot(sizes, [r["swap_seconds"] for r in rows], "o-", label="DoubleBuffer.swap (critical path)")
+    ax.plot(sizes, [r["swap_seconds"] for r in rows], "o-", label="StepBuffer.swap (critical path)")
     ax.plot(sizes, [r["inline_free_seconds"] for r in rows], "s--", label="inline free (what swap avoids)")
     ax.plot(sizes, [r["background_free_seconds"] for r in rows], "x:", label="background free (off the path)")
     ax.set(yscale="log", xlabel="generation size (MiB)", ylabel="seconds", title="Double buffer swap vs freeing")

@@ -279,7 +279,7 @@ def write_report(results: dict) -> str:
              notes.funnel_text(results), _body(results, "funnel", render.render_funnel),
              _section_header(results, "balancer", "2. The balancer"), notes.balancer_text(results),
              _body(results, "balancer", render.render_balancer),
-             _section_header(results, "double_buffer", "3. The double buffer"), notes.double_buffer_text(results),
+             _section_header(results, "double_buffer", "3. The step buffer"), notes.double_buffer_text(results),
              _body(results, "double_buffer", render.render_double_buffer),
              _scaling_header(results), notes.scaling_text(results, tables), scaling_md,
              _section_header(results, "e2e", "5. End to end: distflow vs TRL GRPOTrainer"), notes.e2e_text(results),

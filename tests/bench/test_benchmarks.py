@@ -50,7 +50,7 @@ def test_runtime_plans_4096_samples_over_64_ranks_in_under_10_ms():
     assert max(t["lpt"] for t in timings.values()) < 0.010
 
 
-def test_double_buffer_swap_is_flat_and_frees_in_the_background():
+def test_step_buffer_swap_is_flat_and_frees_in_the_background():
     rows = double_buffer.run(repeats=3, sizes=(1 << 20, 1 << 28))["rows"]
     assert max(r["swap_seconds"] for r in rows) < 1e-3
     big = rows[-1]

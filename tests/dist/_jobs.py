@@ -92,6 +92,6 @@ def run_job(spec: JobSpec, name: str = "job", **kw) -> tuple[dict, list[dict]]:
 def initial_params() -> dict[str, torch.Tensor]:
     """The tiny model's weights before training (what the reference model holds)."""
     from distflow.models import load_causal_lm, resolve_model
-    from distflow.worker import model_cache_dir
+    from distflow.models import model_cache_dir
 
     return load_causal_lm(resolve_model("tiny", model_cache_dir())).state_dict()

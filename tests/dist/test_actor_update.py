@@ -18,7 +18,7 @@ def _update_once(rank, world, kl_coef):
     from distflow.metrics import StepMetrics
     from distflow.models import load_causal_lm, resolve_model
     from distflow.spec import parse_spec
-    from distflow.worker import model_cache_dir
+    from distflow.models import model_cache_dir
 
     spec = parse_spec({"model": {"path": "tiny"}, "data": {"train": {"path": "arithmetic"}, "trainBatchSize": 2},
                        "actor": {"lr": 1e-2, "microBatchSize": 1},
@@ -55,7 +55,7 @@ def _shared_vs_copy(rank, world):
     from distflow.metrics import StepMetrics
     from distflow.models import load_causal_lm, resolve_model
     from distflow.spec import parse_spec
-    from distflow.worker import model_cache_dir
+    from distflow.models import model_cache_dir
 
     spec = parse_spec({"model": {"path": "tiny"}, "data": {"train": {"path": "arithmetic"}, "trainBatchSize": 2},
                        "actor": {"lr": 1e-2, "microBatchSize": 2}, "algorithm": {"useKlLoss": False}})
@@ -117,7 +117,7 @@ def _rollout_then_update(rank, world):
     from distflow.models import load_causal_lm, resolve_model
     from distflow.process_group import collective_bytes
     from distflow.spec import parse_spec
-    from distflow.worker import model_cache_dir
+    from distflow.models import model_cache_dir
 
     out = {}
     counter = collective_bytes()  # the runtime's own count, beside the test's

@@ -11,7 +11,7 @@ import torch
 
 from _spawn import run_on_ranks
 from distflow.data.batch import PackedBatch
-from distflow.data.buffer import DoubleBuffer, NodeBuffer
+from distflow.data.buffer import NodeBuffer, StepBuffer
 from distflow.data.counters import TransferCounters
 from distflow.data.redistribute import plan_redistribution
 
@@ -46,7 +46,7 @@ class Tracked:
 
 @pytest.mark.parametrize("num_entries", [10, 10_000])
 def test_swap_never_touches_the_entries(num_entries):
-    buffer = DoubleBuffer()
+    buffer = StepBuffer()
     for generation in range(3):
         for k in range(num_entries):
             buffer.put(CountingKey(k), generation)
@@ -56,27 +56,28 @@ def test_swap_never_touches_the_entries(num_entries):
     buffer.close()
 
 
-def test_old_generation_is_freed_on_the_background_thread():
+def test_finished_step_is_freed_on_the_background_thread():
     Tracked.freed_in = []
-    buffer = DoubleBuffer()
+    buffer = StepBuffer()
     for _step in range(3):
         for k in range(100):
             buffer.put(("logits", k), Tracked())
         buffer.swap()
     buffer.drain()
-    # swap k releases step k-2: steps 0 and 1 are freed, step 2 is `previous`
-    assert len(Tracked.freed_in) == 200
-    assert threading.get_ident() not in Tracked.freed_in
-    buffer.close()
+    # every swap releases the step it ends: all three steps are freed, none on this thread
     assert len(Tracked.freed_in) == 300
+    assert threading.get_ident() not in Tracked.freed_in
+    buffer.put(("logits", 0), Tracked())
+    buffer.close()
+    assert len(Tracked.freed_in) == 301
 
 
-def test_swap_moves_current_to_previous():
-    buffer = DoubleBuffer()
+def test_swap_starts_an_empty_step():
+    buffer = StepBuffer()
     buffer.put("rewards", 1)
     buffer.swap()
-    assert dict(buffer.previous) == {"rewards": 1} and dict(buffer.current) == {}
-    with pytest.raises(KeyError, match="previous generation"):
+    assert dict(buffer.current) == {}
+    with pytest.raises(KeyError, match="not in this step's buffer"):
         buffer.get("rewards")
     buffer.put("rewards", 2)
     assert buffer.get("rewards") == 2

@@ -102,7 +102,8 @@ def plain(batch: PackedBatch) -> dict:
 
 
 def _scenarios(rank: int, world: int, seed: int) -> dict:
-    from distflow.data.exchange import allgather_lengths, exchange, exchange_centralized
+    from distflow.data.centralized import exchange_centralized
+    from distflow.data.exchange import allgather_lengths, exchange
 
     out = {}
     holdings, assignment = random_case(world, seed)
@@ -209,7 +210,7 @@ def test_centralized_gives_bit_identical_batches(run):
 
 
 def test_piece_size_pads_each_field_chunk_to_8_bytes():
-    from distflow.data.exchange import piece_nbytes
+    from distflow.data.wire import piece_nbytes
 
     schema = make_batch([]).field_schema()
     # 5 tokens: int64 40, float32 20->24, bf16x3 30->32; 2 samples: float32 8,
@@ -218,7 +219,7 @@ def test_piece_size_pads_each_field_chunk_to_8_bytes():
 
 
 def test_counters_record_the_wire_bytes_of_every_piece(run):
-    from distflow.data.exchange import piece_nbytes
+    from distflow.data.wire import piece_nbytes
 
     world, results = run
     holdings, assignment = random_case(world, SEED)

@@ -97,7 +97,7 @@ def _actor_update(world, local, micro, config):
     from distflow.engines import fsdp, model_ops
     from distflow.engines.actor import Actor
     from distflow.models import load_causal_lm, resolve_model
-    from distflow.worker import model_cache_dir
+    from distflow.models import model_cache_dir
 
     spec = _spec(micro, actor=config)
     model = fsdp.apply_fsdp(load_causal_lm(resolve_model("tiny", model_cache_dir())),
@@ -114,7 +114,7 @@ def _critic_update(world, local, micro, mode):
     from distflow.engines import fsdp
     from distflow.engines.critic import Critic, load_value_model
     from distflow.models import resolve_model
-    from distflow.worker import model_cache_dir
+    from distflow.models import model_cache_dir
 
     spec = _spec(micro, critic=mode)
     value_model = load_value_model(str(resolve_model("tiny", model_cache_dir())))
@@ -145,7 +145,7 @@ def _all_updates(rank, world):
 @pytest.fixture(scope="module")
 def updates():
     from distflow.models import resolve_model
-    from distflow.worker import model_cache_dir
+    from distflow.models import model_cache_dir
 
     resolve_model("tiny", model_cache_dir())  # build once, before the ranks race for it
     return {world: run_on_ranks(_all_updates, world, timeout_s=1500)[0] for world in LAYOUTS}

@@ -26,7 +26,7 @@ def _step_at_tiny_lr(rank, world):
     from distflow.metrics import StepMetrics
     from distflow.models import DTYPES, resolve_model
     from distflow.spec import parse_spec
-    from distflow.worker import model_cache_dir
+    from distflow.models import model_cache_dir
 
     spec = parse_spec({"model": {"path": "tiny", "dtype": "bfloat16"},
                        "data": {"train": {"path": "arithmetic"}, "trainBatchSize": 2},
@@ -68,7 +68,7 @@ def _sharded_vs_plain(rank, world, dtype_name):
     from distflow.engines import fsdp
     from distflow.engines.loading import load_sharded_causal_lm
     from distflow.models import DTYPES, load_causal_lm, resolve_model
-    from distflow.worker import model_cache_dir
+    from distflow.models import model_cache_dir
 
     model_dir = resolve_model("tiny", model_cache_dir())
     dtype = DTYPES[dtype_name]

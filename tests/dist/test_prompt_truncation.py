@@ -17,7 +17,7 @@ def _lengths(spec) -> list[int]:
     from distflow.data.sources import open_source
     from distflow.engines.rollout import render_prompt
     from distflow.models import load_tokenizer, resolve_model
-    from distflow.worker import model_cache_dir
+    from distflow.models import model_cache_dir
 
     tokenizer = load_tokenizer(resolve_model(spec.model.path, model_cache_dir()))
     source = open_source(spec.data.train.path)

@@ -8,10 +8,7 @@ import random
 import pytest
 
 from distflow.data.balance import (
-    PARTITIONERS,
     balance_partition,
-    contiguous_partition,
-    get_partitioner,
     imbalance,
     karmarkar_karp_partition,
     lower_bound,
@@ -19,6 +16,8 @@ from distflow.data.balance import (
     rank_loads,
     sample_cost,
 )
+
+from tests.bench.partitioners import contiguous_partition
 
 pytestmark = pytest.mark.unit
 
@@ -163,17 +162,6 @@ def test_large_batches_balance_to_within_a_percent():
     assert_valid(partition, 4096, 64)
     assert imbalance(costs, partition) < 1.01
     assert imbalance(costs, contiguous_partition(costs, 64)) > 1.05
-
-
-def test_every_partitioner_takes_the_same_arguments():
-    for name, partition in PARTITIONERS.items():
-        assert_valid(partition([3, 1, 2, 5, 4], 2, equal_counts=True), 5, 2), name
-    assert get_partitioner("lpt") is balance_partition
-
-
-def test_unknown_partitioner_lists_choices():
-    with pytest.raises(ValueError, match="contiguous.*karmarkar_karp.*lpt"):
-        get_partitioner("round_robin")
 
 
 def test_invalid_inputs_name_the_problem():

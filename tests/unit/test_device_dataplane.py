@@ -5,7 +5,7 @@ cannot be copied to the host (``.cpu()`` raises), so any host round trip of
 the batch in the coordinator's edge path fails these tests; the exchange is
 replaced by a recorder (gloo moves CPU tensors only). Which pieces go through
 the node buffer on CUDA is checked in test_planning_at_scale.py
-(``_rank_wire_sizes``): none.
+(``rank_wire_sizes``): none.
 """
 
 import pytest

@@ -55,15 +55,12 @@ def test_rollout_after_an_update_samples_as_the_eval_mode_policy(trained_mode_mo
 
 
 def _old_log_probs(model, batch):
-    from distflow.stages import run_old_log_prob
+    from distflow.stages.model_passes import run_old_log_prob
 
     spec = SimpleNamespace(actor=SimpleNamespace(micro_batch_size=2, share_prompt_prefix=False, max_tokens_per_micro_batch=None),
                            rollout=SimpleNamespace(temperature=1.0))
-    out = {}
-    worker = SimpleNamespace(spec=spec, actor_model=model, tokenizer=TOKENIZER,
-                             coordinator=SimpleNamespace(batch=batch, produce=lambda node, b: out.update(b=b)))
-    run_old_log_prob(worker, SimpleNamespace(id="old_log_prob"))
-    return out["b"].token_fields["old_log_probs"]
+    ctx = SimpleNamespace(spec=spec, models=SimpleNamespace(policy=model), tokenizer=TOKENIZER)
+    return run_old_log_prob(ctx, SimpleNamespace(id="old_log_prob"), batch).token["old_log_probs"]
 
 
 def test_old_log_probs_after_an_update_are_the_eval_mode_policy_s(trained_mode_model):

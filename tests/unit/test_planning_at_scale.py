@@ -21,7 +21,7 @@ from distflow.data.balance import (
     rank_loads,
 )
 from distflow.data.batch import SAMPLE, TOKEN, FieldSpec
-from distflow.data.exchange import _rank_wire_sizes, piece_nbytes
+from distflow.data.wire import piece_nbytes, rank_wire_sizes
 from distflow.data.redistribute import balanced_assignment, plan_for_rank, plan_redistribution
 
 pytestmark = pytest.mark.unit
@@ -243,9 +243,9 @@ def test_rank_wire_sizes_are_the_size_matrix_row_and_column():
         moved = any(sizes[s][d] for s in range(k) for d in range(k) if s != d)
         for rank in range(k):
             rank_plan = plan_for_rank(holdings, target, rank)
-            mine = _rank_wire_sizes(rank_plan, schema, lengths, node_of_rank, torch.device("cpu"))
+            mine = rank_wire_sizes(rank_plan, schema, lengths, node_of_rank, torch.device("cpu"))
             # CUDA batches never use the node buffer: every moved piece goes over NCCL
-            on_cuda = _rank_wire_sizes(rank_plan, schema, lengths, node_of_rank, torch.device("cuda", 0))
+            on_cuda = rank_wire_sizes(rank_plan, schema, lengths, node_of_rank, torch.device("cuda", 0))
             assert not any(on_cuda.send_via_shm) and not any(on_cuda.recv_via_shm)
             assert (on_cuda.send, on_cuda.any_on_wire) == (mine.send, moved), trial
             assert mine.send == [0 if d == rank else sizes[rank][d] for d in range(k)], trial

@@ -147,5 +147,3 @@ def test_fewer_destination_ranks_leave_the_rest_empty():
     assert assignment == [[1, 2], [0, 3], []]
     with pytest.raises(ValueError, match="num_ranks = 4 must be in 1..3"):
         balanced_assignment(holdings, [1, 2, 3, 9], num_ranks=4)
-    with pytest.raises(ValueError, match="unknown partitioner"):
-        balanced_assignment(holdings, [1, 2, 3, 9], partitioner="greedy")

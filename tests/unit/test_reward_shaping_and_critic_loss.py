@@ -10,7 +10,7 @@ from distflow.algorithms import (
     clipped_value_loss, overlong_penalty,
 )
 from distflow.spec import KLControlSpec
-from distflow.stages_ppo import build_kl_controller
+from distflow.stages import build_kl_controller
 
 pytestmark = pytest.mark.unit
 

@@ -156,7 +156,7 @@ def _cached_smollm2():
     """The converted SmolLM2 directory when it is already in the model cache (never converts)."""
     if importlib.util.find_spec(models.SMOLLM2_PACKAGE) is None:
         return None
-    from distflow.worker import model_cache_dir
+    from distflow.models import model_cache_dir
 
     out = models.gguf_cache_dir(models.find_gguf(models.SMOLLM2_PACKAGE), model_cache_dir())
     return out if (out / "config.json").is_file() else None

@@ -118,16 +118,13 @@ def test_import_distflow_spec_does_not_import_torch():
     assert out.stdout.strip() == "False"
 
 
-def test_spec_names_match_runtime_registries():
-    from distflow import algorithms, spec
+def test_registry_rejects_a_table_that_differs_from_the_declared_names():
+    from distflow.names import registry
 
-    assert set(spec.ADVANTAGE_ESTIMATORS) == set(algorithms.ADVANTAGES)
-    assert set(spec.POLICY_LOSSES) == set(algorithms.POLICY_LOSSES)
-    assert set(spec.KL_ESTIMATORS) == set(algorithms.KL_ESTIMATORS)
-    assert set(spec.LOSS_AGG_MODES) == set(algorithms.LOSS_AGG_MODES)
-    from distflow.rewards import REWARD_FNS
-
-    assert set(spec.BUILTIN_REWARDS) == set(REWARD_FNS)
+    fn = object()
+    assert registry(("a", "b"), {"b": fn, "a": fn}, "family") == {"a": fn, "b": fn}
+    with pytest.raises(ImportError, match=r"family: the registry maps \['a'\] but distflow.names declares \['a', 'b'\]"):
+        registry(("a", "b"), {"a": fn}, "family")
 
 
 def test_preflight_rejects_missing_data_file_and_cycle_before_workers(tmp_path):

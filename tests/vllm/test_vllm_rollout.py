@@ -23,7 +23,7 @@ from distflow.engines.rollout import SamplingParams, generate, render_prompts  #
 from distflow.engines.vllm_rollout import VllmConfig, VllmRollout  # noqa: E402
 from distflow.models import load_causal_lm, load_tokenizer, resolve_model  # noqa: E402
 from distflow.tasks import ArithmeticSource, ArithmeticTask  # noqa: E402
-from distflow.worker import model_cache_dir  # noqa: E402
+from distflow.models import model_cache_dir  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(2400)]
 

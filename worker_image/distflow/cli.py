@@ -101,8 +101,7 @@ def cmd_node(args) -> int:
 
 
 def cmd_model(args) -> int:
-    from distflow.models import resolve_model
-    from distflow.worker import model_cache_dir
+    from distflow.models import model_cache_dir, resolve_model
 
     try:
         print(resolve_model(args.source, model_cache_dir()))

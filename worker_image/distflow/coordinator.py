@@ -16,8 +16,8 @@ the prompt once plus every response), so each group's prompt still runs once. No
 ever holds the global batch, except rank 0 in ``centralized`` mode, which
 routes every edge through itself as a single-controller system does.
 
-Step data lives in a ``DoubleBuffer``: the swap at a step boundary is O(1)
-and the previous step's tensors are freed on a background thread. It lives on
+Step data lives in a ``StepBuffer``: the swap at a step boundary is O(1)
+and the finished step's tensors are freed on a background thread. It lives on
 the worker's device: ``produce`` puts a batch there once and every edge keeps
 it there (NCCL moves CUDA tensors in place; no host copy per edge).
 """
@@ -30,9 +30,10 @@ import torch
 
 from distflow.data.balance import imbalance, sample_cost
 from distflow.data.batch import PackedBatch
-from distflow.data.buffer import DoubleBuffer, NodeBuffer
+from distflow.data.buffer import NodeBuffer, StepBuffer
 from distflow.data.counters import TransferCounters
-from distflow.data.exchange import exchange, exchange_centralized, gather_metadata
+from distflow.data.centralized import exchange_centralized
+from distflow.data.exchange import exchange, gather_metadata
 from distflow.data.redistribute import balanced_assignment, plan_digest, plan_for_rank, plan_redistribution
 from distflow.planner import ROLLOUT, Plan, PlannedNode, same_samples
 from distflow.spec import JobSpec
@@ -47,7 +48,7 @@ class DataCoordinator:
     node_buffer: NodeBuffer | None = None
     device: torch.device | None = None
     """Where step data lives (the worker's device); None keeps each batch where its producer put it."""
-    buffer: DoubleBuffer = field(default_factory=DoubleBuffer)
+    buffer: StepBuffer = field(default_factory=StepBuffer)
     step: int = 0
     placement: str = ROLLOUT
     producer: str = ""

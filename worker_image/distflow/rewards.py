@@ -27,7 +27,8 @@ from functools import partial
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from distflow.data.sources import PromptRecord
+from distflow.data.records import PromptRecord
+from distflow.names import BUILTIN_REWARDS, registry
 
 RewardFn = Callable[[str, str, dict], float]
 
@@ -195,13 +196,13 @@ def arithmetic_concise_reward(
     return 0.5 if integers and integers[-1].replace(",", "") == expected else 0.0
 
 
-REWARD_FNS: dict[str, RewardFn] = {
+REWARD_FNS: dict[str, RewardFn] = registry(BUILTIN_REWARDS, {
     "gsm8k": gsm8k_reward,
     "gsm8k_flexible": partial(gsm8k_reward, method="flexible"),
     "math": math_reward,
     "arithmetic": arithmetic_reward,
     "arithmetic_concise": arithmetic_concise_reward,
-}
+}, "data.rewardFn")
 
 
 def default_reward_name(data_source: str) -> str:

@@ -26,7 +26,7 @@ def record_ids(group_index: list[int], step: int, batch_size: int, total_steps: 
 
     ``group_index`` [B]: round ``k`` of step ``s`` numbers its prompts from
     ``(s + k * total_steps) * batch_size`` (``stages.run_rollout``; refill
-    rounds: ``stages_ppo._generate_round``); ``rounds[k]`` [batch_size] are
+    rounds: ``stages.group_filter._refill_round``); ``rounds[k]`` [batch_size] are
     that round's records in order (``ShardedPromptLoader.take_read_batches``).
     """
     out = []

@@ -26,8 +26,8 @@ from typing import Sequence
 
 import numpy as np
 
-from distflow.data.sources import PromptRecord
-from distflow.spec import ARITHMETIC_SPLITS
+from distflow.data.records import PromptRecord
+from distflow.names import ARITHMETIC_SPLITS
 
 ARITHMETIC_DATA_SOURCE = "arithmetic"
 SPLITS = ARITHMETIC_SPLITS  # defined with the spec, which checks configs before any worker starts

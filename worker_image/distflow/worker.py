@@ -3,7 +3,8 @@
     every rank, every step:
       for node in plan.chain:            # the same chain on every rank
           coordinator.ensure(node)       # local cache, or all_to_all by a plan all ranks computed
-          STAGES[node.role](worker)      # rollout / reward / advantage / reference / actor ...
+          out = STAGES[node.role](ctx, node, batch)   # rollout / reward / advantage / actor ...
+          check out against distflow.fields; coordinator.produce(node, batch + out)
       metrics.reduce()                   # one all-reduce of scalars
       checkpoint (every k steps)
 
@@ -19,7 +20,6 @@ import os
 import random
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 import torch
@@ -31,23 +31,21 @@ from distflow.data.buffer import NodeBuffer
 from distflow.data.counters import TransferCounters
 from distflow.data.loader import ShardedPromptLoader
 from distflow.data.prompt_fit import fit_prompts, scan_share
-from distflow.data.sources import open_source
+from distflow.data.sources import dataset_source
 from distflow.engines import fsdp
 from distflow.engines.actor import Actor
 from distflow.engines.critic import build_critic
 from distflow.engines.loading import load_sharded_causal_lm
-from distflow.engines.rollout import (
-    HfRollout, SamplingParams, render_prompt, render_prompts, response_texts, step_seed,
-)
+from distflow.engines.rollout import HfRollout, render_prompt, step_seed
 from distflow.exporter import NodeExporter
 from distflow.metrics import JsonlWriter, StepMetrics
-from distflow.models import DTYPES, load_causal_lm, load_tokenizer, resolve_model
+from distflow.models import DTYPES, load_causal_lm, load_tokenizer, model_cache_dir, resolve_model
 from distflow.planner import ROLLOUT, build_plan
-from distflow.rewards import compute_scores
 from distflow.spec import JobSpec
-from distflow.stages import STAGES
-from distflow.stages_ppo import build_kl_controller
-from distflow.tasks import ArithmeticSource, ArithmeticTask
+from distflow.fields import check_stage_output
+from distflow.stages import STAGES, StageContext, StageModels, StageOutput, build_kl_controller
+from distflow.stages.rollout import generate_round, sampling_params
+from distflow.stages.scoring import score_responses
 
 
 @dataclass(frozen=True)
@@ -140,7 +138,6 @@ class DagWorker:
         self.rank = env.rank
         self.rollout_dp_rank = self.plan.layouts[ROLLOUT].dp_rank(env.rank)
         self.step = 0
-        self.step_records: dict = {}
         self._build_models()
         _release_freed_memory()
         self._build_data()
@@ -178,6 +175,8 @@ class DagWorker:
                                                     DTYPES[spec.model.dtype], compute).eval()
             self.ref_model.requires_grad_(False)
         self._build_critic(mesh)
+        self.models = StageModels(rollout=self.rollout, actor=self.actor, policy=self.actor_model,
+                                  reference=self.ref_model, critic=self.critic)
 
     def _build_rollout(self, copy):
         """The rollout engine: hf on the actor's weights (or ``copy``), or a colocated vLLM engine."""
@@ -205,7 +204,7 @@ class DagWorker:
     def _build_data(self) -> None:
         spec = self.spec
         dp = self.plan.layouts[ROLLOUT].dp_size
-        train = prompt_source(spec.data.train)
+        train = dataset_source(spec.data.train)
         fitted = self._fit_prompts(train, "data.train")
         self.num_filtered_prompts = train.num_records - fitted.num_records
         self.loader = ShardedPromptLoader(fitted, spec.data.train_batch_size,
@@ -214,7 +213,7 @@ class DagWorker:
         # This rank's share of the eval set, and each record's index in the whole set.
         self.eval_records, self.eval_indices = [], []
         if spec.data.eval is not None:
-            source = self._fit_prompts(prompt_source(spec.data.eval), "data.eval")
+            source = self._fit_prompts(dataset_source(spec.data.eval), "data.eval")
             n = source.num_records
             self.eval_indices = [i for i in range(n) if i % dp == self.rollout_dp_rank]
             self.eval_records = source.read(self.eval_indices)
@@ -252,18 +251,12 @@ class DagWorker:
         """
         if self.spec.data.eval is None:
             return float("nan")
-        val = self.spec.rollout.val
-        prompts = render_prompts(self.tokenizer, self.eval_records, self.spec.data.max_prompt_length,
-                                 self.spec.data.system_prompt)
-        params = SamplingParams(val.n, val.temperature, val.top_p, val.top_k,
-                                self.spec.data.max_response_length, self.spec.rollout.micro_batch_size,
-                                share_prefill=self.spec.rollout.share_prefill)
         # "Step" -1: apart from every training step's rollout seed.
-        batch = self.rollout.generate(prompts, self.eval_indices, params, step_seed(self.spec.trainer.seed, -1))
-        texts = response_texts(self.tokenizer, batch)
-        position = {k: i for i, k in enumerate(self.eval_indices)}
-        records = [self.eval_records[position[k]] for k in batch.sample_fields["group_index"].tolist()]
-        scores = compute_scores(texts, records, self.spec.data.reward_fn)
+        batch = generate_round(self.rollout, self.tokenizer, self.spec, self.eval_records, self.eval_indices,
+                               sampling_params(self.spec, held_out=True), step_seed(self.spec.trainer.seed, -1))
+        texts, records, scores = score_responses(self.tokenizer, batch,
+                                                 dict(zip(self.eval_indices, self.eval_records)),
+                                                 self.spec.data.reward_fn)
         if self.writer is not None:
             self.writer.write_samples(self.step, records, texts, scores)
         sums = self.global_sum(torch.tensor([sum(scores), len(scores)], dtype=torch.float64))
@@ -285,10 +278,12 @@ class DagWorker:
         collectives = process_group.collective_bytes()
         gathered, reduced = collectives.all_gather, collectives.reduce_scatter
         start = time.perf_counter()
+        ctx = self._stage_context()
         for node in self.plan.chain:
             with self.metrics.timer(node.id):
                 self.coordinator.ensure(node)
-                STAGES[node.role](self, node)
+                batch = self.coordinator.batch if self.coordinator.producer else None
+                self._hand_on(node, batch, STAGES[node.role](ctx, node, batch))
         batch = self.coordinator.batch
         self.metrics.add_sum("perf/total_num_tokens", float(batch.num_tokens))
         self.metrics.add_max("data/balance_imbalance", self.coordinator.last_imbalance)
@@ -313,6 +308,40 @@ class DagWorker:
         out["training/step"] = self.step + 1
         self._export(out, node_bytes)
         return out
+
+    def _stage_context(self) -> StageContext:
+        """What this step's stages may use (a fresh metrics sink and prompt table per step)."""
+        return StageContext(spec=self.spec, step=self.step, rank=self.rank, rollout_dp_rank=self.rollout_dp_rank,
+                            tokenizer=self.tokenizer, models=self.models, loader=self.loader,
+                            metrics=self.metrics, reduce=self.global_sum, kl_ctrl=self.kl_ctrl,
+                            regroup=self._regroup)
+
+    def _regroup(self, node_id: str, batch, target: list[list[int]], edge: str):
+        """``batch`` moved so rank r holds the sample ids ``target[r]`` (collective)."""
+        self.coordinator.produce(node_id, batch)
+        self.coordinator.regroup(target, edge)
+        return self.coordinator.batch
+
+    def _hand_on(self, node, batch, out: StageOutput) -> None:
+        """A stage's output, checked against ``distflow.fields``, becomes the step's batch.
+
+        An empty output (train stages) hands nothing on: the next node reads the
+        batch of the node before.
+
+        Raises:
+            TypeError: the stage added a field ``distflow.fields`` does not declare for its role.
+        """
+        if out.empty:
+            return
+        new = out.batch if out.batch is not None else batch
+        token_before = batch.token_fields if batch is not None else {}
+        sample_before = batch.sample_fields if batch is not None else {}
+        check_stage_output(node.role, node.id,
+                           {**{k: v for k, v in new.token_fields.items() if k not in token_before}, **out.token},
+                           {**{k: v for k, v in new.sample_fields.items() if k not in sample_before}, **out.sample})
+        if out.token or out.sample:
+            new = new.with_fields(token=out.token, sample=out.sample)
+        self.coordinator.produce(node.id, new)
 
     def _path_bytes(self) -> dict[str, int]:
         """Bytes this rank has sent so far by path: to its own node (of which handed over through
@@ -430,14 +459,6 @@ class DagWorker:
             dist.destroy_process_group()
 
 
-def prompt_source(ds):
-    """The PromptSource of a DatasetSpec (a file, or a built-in task with its difficulty)."""
-    if (split := ds.arithmetic_split) is not None:
-        task = ArithmeticTask(min_operand=ds.min_operand, max_operand=ds.max_operand)
-        return ArithmeticSource(num_records=ds.size or 4096, seed=ds.seed, split=split, task=task)
-    return open_source(ds.path, size=ds.size, seed=ds.seed)
-
-
 def run_worker(spec: JobSpec, env: WorkerEnv, progress=None) -> list[dict[str, float]]:
     """Entry point of one worker process."""
     configure_malloc()
@@ -450,7 +471,3 @@ def run_worker(spec: JobSpec, env: WorkerEnv, progress=None) -> list[dict[str, f
     worker.close()
     return history
 
-
-def model_cache_dir() -> Path:
-    """Where converted and tiny models are cached (DISTFLOW_CACHE, else ~/.cache/distflow)."""
-    return Path(os.environ.get("DISTFLOW_CACHE", Path.home() / ".cache" / "distflow"))

@@ -13,3 +13,4 @@ def lookup(table: Mapping[str, F], name: str, field: str) -> F:
         return table[name]
     except KeyError:
         raise ValueError(f"{field}: unknown name {name!r}; choose one of {', '.join(table)}") from None
+

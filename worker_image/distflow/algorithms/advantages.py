@@ -26,6 +26,7 @@ from typing import Callable
 import torch
 from torch import Tensor
 
+from distflow.names import ADVANTAGE_ESTIMATORS, registry
 from distflow.algorithms._registry import lookup
 from distflow.algorithms.aggregation import Reducer, masked_whiten
 
@@ -263,14 +264,14 @@ def gae_advantages(
     return masked_whiten(advantages, mask, reducer) * mask, returns
 
 
-ADVANTAGES: dict[str, AdvantageFn] = {
+ADVANTAGES: dict[str, AdvantageFn] = registry(ADVANTAGE_ESTIMATORS, {
     "grpo": grpo_advantages,
     "drgrpo": drgrpo_advantages,
     "rloo": rloo_advantages,
     "reinforce_plus_plus": reinforce_plus_plus_advantages,
     "reinforce_plus_plus_baseline": reinforce_plus_plus_baseline_advantages,
     "gae": gae_advantages,
-}
+}, "algorithm.advantageEstimator")
 
 
 def get_advantage_fn(name: str) -> AdvantageFn:

@@ -22,10 +22,11 @@ from typing import Callable
 import torch
 from torch import Tensor
 
+from distflow.names import LOSS_AGG_MODES
+
 Reducer = Callable[[Tensor], Tensor]
 """Sums a 1-D tensor of partial sums across dp ranks (all-reduce SUM); identity on one rank."""
 
-LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 
 # Added to the variance before rsqrt, as verl does, so a constant batch whitens to 0, not NaN.
 _WHITEN_EPS = 1e-8

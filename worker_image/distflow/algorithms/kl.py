@@ -14,6 +14,8 @@ from typing import Callable
 import torch
 from torch import Tensor
 
+from distflow import names
+from distflow.names import registry
 from distflow.algorithms._registry import lookup
 from distflow.algorithms.aggregation import masked_mean
 
@@ -65,13 +67,13 @@ def k3_kl(log_probs: Tensor, ref_log_probs: Tensor) -> Tensor:
     return (torch.exp(log_ratio) - log_ratio - 1.0).clamp(-_MAX_K3, _MAX_K3)
 
 
-KL_ESTIMATORS: dict[str, KLEstimator] = {
+KL_ESTIMATORS: dict[str, KLEstimator] = registry(names.KL_ESTIMATORS, {
     "k1": k1_kl,
     "k2": k2_kl,
     "k3": k3_kl,
     "low_var_kl": k3_kl,
     "abs": abs_kl,
-}
+}, "algorithm.klLossType")
 
 
 def get_kl_estimator(name: str) -> KLEstimator:

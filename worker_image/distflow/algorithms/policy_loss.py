@@ -18,6 +18,8 @@ from typing import Callable
 import torch
 from torch import Tensor
 
+from distflow import names
+from distflow.names import registry
 from distflow.algorithms._registry import lookup
 from distflow.algorithms.aggregation import masked_mean
 
@@ -139,10 +141,10 @@ def gspo_policy_loss(
     )
 
 
-POLICY_LOSSES: dict[str, PolicyLossFn] = {
+POLICY_LOSSES: dict[str, PolicyLossFn] = registry(names.POLICY_LOSSES, {
     "vanilla": vanilla_policy_loss,
     "gspo": gspo_policy_loss,
-}
+}, "algorithm.policyLoss")
 
 
 def get_policy_loss_fn(name: str) -> PolicyLossFn:

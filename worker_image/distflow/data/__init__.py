@@ -7,10 +7,7 @@ torch and are imported from their modules, e.g.
 """
 
 from distflow.data.balance import (
-    PARTITIONERS,
     balance_partition,
-    contiguous_partition,
-    get_partitioner,
     imbalance,
     karmarkar_karp_partition,
     lower_bound,
@@ -22,13 +19,10 @@ from distflow.data.counters import TransferCounters
 from distflow.data.redistribute import RedistributionPlan, balanced_assignment, plan_redistribution
 
 __all__ = [
-    "PARTITIONERS",
     "RedistributionPlan",
     "TransferCounters",
     "balance_partition",
     "balanced_assignment",
-    "contiguous_partition",
-    "get_partitioner",
     "imbalance",
     "karmarkar_karp_partition",
     "lower_bound",

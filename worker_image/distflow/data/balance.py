@@ -25,7 +25,7 @@ import bisect
 import heapq
 import itertools
 import math
-from typing import Callable, Sequence
+from typing import Sequence
 
 import numpy as np
 
@@ -453,34 +453,6 @@ def _kk_state(costs, sets, tie):
     return (-spread, next(tie), sums)
 
 
-def contiguous_partition(
-    costs: Sequence[float], num_ranks: int, equal_counts: bool = True
-) -> Partition:
-    """No balancing: consecutive index ranges, the baseline to compare against.
-
-    With ``equal_counts`` rank ``r`` gets the next ``rank_capacities(B, k)[r]``
-    indices. Otherwise item i goes to the rank whose share of the total cost
-    contains the midpoint of i's cumulative cost.
-
-    Raises:
-        ValueError: on ``num_ranks < 1`` or a negative cost.
-    """
-    _check_costs(costs)
-    _check_ranks(num_ranks)
-    if equal_counts:
-        it = iter(range(len(costs)))
-        return [list(itertools.islice(it, c)) for c in rank_capacities(len(costs), num_ranks)]
-    bins: Partition = [[] for _ in range(num_ranks)]
-    total = float(sum(costs))
-    before = 0.0
-    for i, c in enumerate(costs):
-        mid = before + c / 2
-        r = min(int(mid * num_ranks / total), num_ranks - 1) if total > 0 else 0
-        bins[r].append(i)
-        before += c
-    return bins
-
-
 def rank_loads(costs: Sequence[float], partition: Partition) -> list[float]:
     """Sum of costs per rank."""
     return [float(sum(costs[i] for i in b)) for b in partition]
@@ -518,28 +490,6 @@ def lower_bound(costs: Sequence[float], num_ranks: int, equal_counts: bool = Tru
         if others > 0:
             bound = max(bound, desc[0] + sum(desc[-others:]))
     return float(bound)
-
-
-PARTITIONERS: dict[str, Callable[..., Partition]] = {
-    "lpt": balance_partition,
-    "karmarkar_karp": karmarkar_karp_partition,
-    "contiguous": contiguous_partition,
-}
-"""name -> f(costs, num_ranks, equal_counts=True) -> Partition."""
-
-
-def get_partitioner(name: str) -> Callable[..., Partition]:
-    """Look up a partitioner by name.
-
-    Raises:
-        ValueError: for an unknown name, listing the choices.
-    """
-    try:
-        return PARTITIONERS[name]
-    except KeyError:
-        raise ValueError(
-            f"unknown partitioner {name!r}; choose one of {sorted(PARTITIONERS)}"
-        ) from None
 
 
 def _check_costs(costs: Sequence[float]) -> None:

@@ -1,8 +1,8 @@
-"""Step buffers: the double buffer and the node-local shared-memory buffer.
+"""Step buffers: this step's data, and the node-local shared-memory buffer.
 
-``DoubleBuffer`` keeps step data in two generations; ``swap()`` at a step
-boundary only moves references and hands the oldest generation to a
-background thread, so freeing (possibly GBs of tensors) never stalls a step.
+``StepBuffer`` holds the step's data; ``swap()`` at a step boundary only
+moves a reference and hands the finished step to a background thread, so
+freeing (possibly GBs of tensors) never stalls a step.
 
 ``NodeBuffer`` lets workers of one node hand tensors to each other through
 files in shared memory (``/dev/shm``) instead of sending them: the sender
@@ -70,18 +70,18 @@ class _Releaser:
                 return
 
 
-class DoubleBuffer:
-    """Step data in two generations, ``current`` and ``previous``.
+class StepBuffer:
+    """This step's data; ``swap()`` at a step boundary frees it off the training loop.
 
-    ``put``/``get`` work on ``current``. ``swap()`` makes ``current`` the new
-    ``previous`` and starts an empty ``current``; the old ``previous`` is
-    released on a background thread. ``swap`` is O(1): it never iterates or
-    touches the entries.
+    ``put``/``get`` work on the current step's entries. ``swap()`` hands the
+    whole step to a background thread, which drops it (possibly GBs of
+    tensors, and their pages returned to the OS), and starts an empty step.
+    ``swap`` is O(1): it never iterates or touches the entries, so freeing
+    overlaps the next step's rollout instead of stalling the step boundary.
     """
 
     def __init__(self) -> None:
         self._current: dict[Hashable, Any] = {}
-        self._previous: dict[Hashable, Any] = {}
         self._releaser = _Releaser()
 
     @property
@@ -89,42 +89,33 @@ class DoubleBuffer:
         """Read-only view of this step's entries."""
         return MappingProxyType(self._current)
 
-    @property
-    def previous(self) -> Mapping[Hashable, Any]:
-        """Read-only view of the last step's entries."""
-        return MappingProxyType(self._previous)
-
     def put(self, key: Hashable, value: Any) -> None:
         self._current[key] = value
 
     def get(self, key: Hashable) -> Any:
-        """The entry ``key`` of the current generation.
+        """The entry ``key`` of this step.
 
         Raises:
-            KeyError: if absent, saying whether it is in the previous generation.
+            KeyError: if absent.
         """
         try:
             return self._current[key]
         except KeyError:
-            where = " (it is in the previous generation: read .previous, or swap later)" \
-                if key in self._previous else ""
-            raise KeyError(f"{key!r} is not in the current generation{where}") from None
+            raise KeyError(f"{key!r} is not in this step's buffer") from None
 
     def swap(self) -> None:
-        """Step boundary: current -> previous, empty current, old previous freed in the background."""
-        released = self._previous
-        self._previous, self._current = self._current, {}
+        """Step boundary: this step's entries freed in the background, an empty step started."""
+        released, self._current = self._current, {}
         self._releaser.submit(released)
 
     def drain(self) -> None:
-        """Wait until every released generation has been freed (tests, shutdown)."""
+        """Wait until every released step has been freed (tests, shutdown)."""
         self._releaser.drain()
 
     def close(self) -> None:
-        """Release both generations and stop the background thread."""
-        self._releaser.submit(self._previous)
+        """Release the current step and stop the background thread."""
         self._releaser.submit(self._current)
-        self._previous, self._current = {}, {}
+        self._current = {}
         self._releaser.drain()
         self._releaser.stop()
 

@@ -20,7 +20,8 @@ from typing import Any
 
 import numpy as np
 
-from distflow.data.sources import PromptRecord, PromptSource, open_source
+from distflow.data.records import PromptRecord, PromptSource
+from distflow.data.sources import open_source
 
 
 def epoch_permutation(num_records: int, seed: int, epoch: int, shuffle: bool = True) -> np.ndarray:

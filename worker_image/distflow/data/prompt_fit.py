@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
-from distflow.data.sources import PromptRecord, PromptSource
+from distflow.data.records import PromptRecord, PromptSource
 from distflow.errors import DistflowConfigError
 
 _READ_CHUNK = 256

@@ -24,7 +24,7 @@ import itertools
 from dataclasses import dataclass
 from typing import Mapping, Sequence, Union
 
-from distflow.data.balance import get_partitioner
+from distflow.data.balance import balance_partition
 
 PerSample = Union[Mapping[int, float], Sequence[float]]
 """A value per global id: ``values[id]``."""
@@ -280,13 +280,12 @@ def balanced_assignment(
     num_ranks: int | None = None,
     *,
     equal_counts: bool = True,
-    partitioner: str = "lpt",
     sample_nbytes: PerSample | None = None,
 ) -> list[list[int]]:
     """Balance all held samples over ``num_ranks`` ranks, keeping as many in place as possible.
 
     1. Partition the samples (in rank-then-local order) by ``costs[id]`` with
-       ``balance.PARTITIONERS[partitioner]``; bins are the balanced loads.
+       ``balance.balance_partition``; bins are the balanced loads.
        If the current layout's max load is already no higher (and, with
        ``equal_counts``, its counts differ by at most one), keep it: the plan
        is the identity and nothing moves.
@@ -306,8 +305,7 @@ def balanced_assignment(
         src_holdings: [N] per rank, global ids held, in local order.
         costs: cost per global id (``balance.sample_cost`` of its tokens).
         num_ranks: destination ranks 0..num_ranks-1 (default N); the rest get ``[]``.
-        equal_counts: passed to the partitioner.
-        partitioner: a key of ``balance.PARTITIONERS``.
+        equal_counts: passed to ``balance_partition``.
         sample_nbytes: non-negative bytes per global id used to score overlap
             (default: costs, as bytes grow with tokens).
 
@@ -315,7 +313,7 @@ def balanced_assignment(
         [N] per destination rank, global ids in planned order.
 
     Raises:
-        ValueError: ``num_ranks`` outside 1..N, an unknown partitioner, or a negative cost.
+        ValueError: ``num_ranks`` outside 1..N, or a negative cost.
     """
     group_size = len(src_holdings)
     num_ranks = group_size if num_ranks is None else num_ranks
@@ -323,7 +321,7 @@ def balanced_assignment(
         raise ValueError(f"num_ranks = {num_ranks} must be in 1..{group_size} (the group size)")
     ids = [gid for held in src_holdings for gid in held]
     holder = {gid: src for src, held in enumerate(src_holdings) for gid in held}
-    bins = get_partitioner(partitioner)([costs[g] for g in ids], num_ranks, equal_counts=equal_counts)
+    bins = balance_partition([costs[g] for g in ids], num_ranks, equal_counts=equal_counts)
     if _keeps_up(src_holdings, costs, bins, num_ranks, equal_counts):
         return [list(held) for held in src_holdings]
     bins_ids = [[ids[i] for i in sorted(b)] for b in bins]

@@ -28,11 +28,16 @@ from __future__ import annotations
 import functools
 import json
 import os
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol, Sequence, runtime_checkable
+from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
+
+from distflow.data.records import PromptRecord, PromptSource
+from distflow.tasks import ArithmeticSource, ArithmeticTask
+
+if TYPE_CHECKING:
+    from distflow.spec import DatasetSpec
 
 GSM8K_INSTRUCTION = "Let's think step by step and output the final answer after \"####\"."
 GSM8K_DATA_SOURCE = "openai/gsm8k"
@@ -46,35 +51,6 @@ _PARQUET_SUFFIXES = (".parquet",)
 DATA_SUFFIXES = _JSONL_SUFFIXES + _PARQUET_SUFFIXES
 """File extensions ``open_source`` reads."""
 _SCAN_CHUNK_BYTES = 8 << 20
-
-
-@dataclass(frozen=True)
-class PromptRecord:
-    """One prompt of an RL dataset.
-
-    Attributes:
-        uid: unique, stable id of the prompt (``<file stem>-<row>`` for files).
-        messages: chat messages ``({"role": ..., "content": ...}, ...)``.
-        ground_truth: the reference answer the reward function compares to.
-        data_source: dataset name; selects the default reward function.
-        extra_info: free-form per-record metadata, passed to the reward function.
-    """
-
-    uid: str
-    messages: tuple[dict[str, str], ...]
-    ground_truth: str
-    data_source: str
-    extra_info: dict[str, Any] = field(default_factory=dict)
-
-
-@runtime_checkable
-class PromptSource(Protocol):
-    """Random-access collection of prompt records."""
-
-    @property
-    def num_records(self) -> int: ...
-
-    def read(self, indices: Sequence[int]) -> list[PromptRecord]: ...
 
 
 def gsm8k_ground_truth(answer: str) -> str:
@@ -289,13 +265,22 @@ def open_source(
         return source
     text = os.fspath(source)
     if text == "arithmetic" or text.startswith("arithmetic:"):
-        from distflow.tasks import ArithmeticSource
-
-        split = text.partition(":")[2] or "train"
-        if size is None:
-            return ArithmeticSource(seed=seed, split=split)
-        return ArithmeticSource(num_records=size, seed=seed, split=split)
+        return _arithmetic_source(text.partition(":")[2] or "train", size, seed, ArithmeticTask())
     return FileSource(text, max_records=size)
+
+
+def dataset_source(ds: DatasetSpec) -> PromptSource:
+    """The PromptSource of a ``data.train`` / ``data.eval`` spec: a file, or a built-in task with its difficulty."""
+    if (split := ds.arithmetic_split) is not None:
+        task = ArithmeticTask(min_operand=ds.min_operand, max_operand=ds.max_operand)
+        return _arithmetic_source(split, ds.size, ds.seed, task)
+    return open_source(ds.path, size=ds.size, seed=ds.seed)
+
+
+def _arithmetic_source(split: str, size: int | None, seed: int, task: ArithmeticTask) -> ArithmeticSource:
+    if size is None:
+        return ArithmeticSource(seed=seed, split=split, task=task)
+    return ArithmeticSource(num_records=size, seed=seed, split=split, task=task)
 
 
 def count_records(path: str | os.PathLike) -> int:

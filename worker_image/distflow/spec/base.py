@@ -1,7 +1,7 @@
 """The base of every spec model: camelCase aliases, unknown fields rejected, frozen.
 
 Its own module so that the spec's sections can live in several files
-(``distflow.spec``, ``distflow.spec_pod``) without importing each other in a circle.
+(``distflow.spec.models``, ``distflow.spec.pod``) without importing each other in a circle.
 """
 
 from __future__ import annotations

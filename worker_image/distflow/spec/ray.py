@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from pydantic import Field
 
-from distflow.spec_base import SpecBase
+from distflow.spec.base import SpecBase
 
 
 class RaySpec(SpecBase):

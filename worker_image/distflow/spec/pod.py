@@ -15,7 +15,7 @@ from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
-from distflow.spec_base import SpecBase
+from distflow.spec.base import SpecBase
 
 DNS_LABEL = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
 QUANTITY = r"^[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|Pi|k|M|G|T|P)?$"

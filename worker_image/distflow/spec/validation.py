@@ -1,0 +1,102 @@
+"""Checks of a spec that span several fields: sizes that must divide, choices that must agree.
+
+Each check yields problems as ``field.path: what is wrong; the fix``, relative
+to the spec; ``JobSpec`` raises them all at once (``distflow.spec.loading``
+prefixes the root). The operator's CRD mirrors the size checks as CEL rules
+(distflow_operator.crdgen).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from distflow.names import ARITHMETIC_SPLITS, BUILTIN_REWARDS, GROUP_ESTIMATORS, TINY_TOKENIZERS
+
+if TYPE_CHECKING:
+    from distflow.spec.models import JobSpec
+
+
+def check_choice(path: str, value: str, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ValueError(f"{path}: unknown {value!r}; choose one of {', '.join(choices)}")
+
+
+def size_problems(spec: JobSpec):
+    world = spec.world_size
+    batch = spec.data.train_batch_size
+    tp = spec.rollout.tensor_parallel_size
+    if world % tp:
+        yield (f"rollout.tensorParallelSize: {tp} does not divide the {world} workers "
+               f"(cluster.numNodes x cluster.procsPerNode); pick a divisor of {world}")
+    rollout_dp = max(1, world // tp)
+    if batch % rollout_dp:
+        yield (f"data.trainBatchSize: {batch} prompts cannot be split evenly over {rollout_dp} "
+               f"rollout dp ranks; use a multiple of {rollout_dp}")
+    mini = spec.actor.ppo_mini_batch_size
+    if mini is not None and batch % mini:
+        yield (f"actor.ppoMiniBatchSize: {mini} does not divide data.trainBatchSize={batch}; "
+               f"use a divisor of {batch}")
+    if spec.rollout.engine == "hf" and tp != 1:
+        yield "rollout.tensorParallelSize: the hf engine runs with 1; set it to 1"
+    if spec.rollout.engine == "vllm" and spec.cluster.procs_per_node % tp:
+        yield (f"rollout.tensorParallelSize: {tp} does not divide the {spec.cluster.procs_per_node} workers "
+               f"of a node (cluster.procsPerNode); a vLLM replica stays within a node: pick a divisor")
+    if spec.rollout.engine == "vllm" and world % tp == 0 and batch % rollout_dp == 0 and (batch // rollout_dp) % tp:
+        yield (f"data.trainBatchSize: {batch} prompts give each of the {rollout_dp} vLLM replicas "
+               f"{batch // rollout_dp}, which its {tp} tp ranks cannot share evenly; use a multiple of "
+               f"{rollout_dp * tp}")
+    if spec.rollout.tis_imp_ratio_cap is not None and spec.rollout.engine != "vllm":
+        yield ("rollout.tisImpRatioCap: only the vllm engine records rollout log-probs to correct with; "
+               "unset it or use rollout.engine: vllm")
+    yield from _algorithm_problems(spec)
+    yield from _source_problems(spec)
+    estimator = spec.algorithm.advantage_estimator
+    if estimator in GROUP_ESTIMATORS and spec.rollout.n < 2:
+        yield (f"rollout.n: {estimator} compares each response with the others of its prompt, so with "
+               f"{spec.rollout.n} response per prompt every advantage is 0; sample n >= 2 (4-16 is usual)")
+
+
+def _source_problems(spec: JobSpec):
+    """Model and data sources that would otherwise fail only once the workers load them."""
+    path = spec.model.path
+    if path.startswith("tiny:") and path.removeprefix("tiny:") not in TINY_TOKENIZERS:
+        yield (f"model.path: {path!r} names no tiny-model tokenizer; use tiny or "
+               f"tiny:<{'|'.join(TINY_TOKENIZERS)}>")
+    reward = spec.data.reward_fn
+    if reward is not None and reward not in BUILTIN_REWARDS and ":" not in reward:
+        yield (f"data.rewardFn: unknown {reward!r}; choose one of {', '.join(BUILTIN_REWARDS)} "
+               f"or give a user function as module:function (or path/to/file.py:function)")
+    for name in ("train", "eval"):
+        ds = getattr(spec.data, name)
+        split = ds.arithmetic_split if ds is not None else None
+        if split is None:
+            continue
+        if split not in ARITHMETIC_SPLITS:
+            yield f"data.{name}.path: unknown arithmetic split {split!r}; use arithmetic:train or arithmetic:eval"
+        elif name == "eval" and split == "train":
+            yield "data.eval.path: arithmetic:train is the training split; hold out with arithmetic:eval"
+        if ds.min_operand > ds.max_operand:
+            yield (f"data.{name}.minOperand: {ds.min_operand} is above maxOperand {ds.max_operand}; "
+                   f"swap them or widen the range")
+
+
+def _algorithm_problems(spec: JobSpec):
+    alg, batch = spec.algorithm, spec.data.train_batch_size
+    mini = spec.critic.ppo_mini_batch_size
+    if mini is not None and batch % mini:
+        yield (f"critic.ppoMiniBatchSize: {mini} does not divide data.trainBatchSize={batch}; "
+               f"use a divisor of {batch}")
+    buffer = alg.overlong_buffer.length
+    if alg.overlong_buffer.enable and buffer is not None and buffer > spec.data.max_response_length:
+        yield (f"algorithm.overlongBuffer.length: {buffer} tokens exceed data.maxResponseLength="
+               f"{spec.data.max_response_length}; use at most that")
+    if alg.filter_groups.enable and spec.rollout.n < 2:
+        yield ("algorithm.filterGroups.enable: a group of rollout.n=1 response never has differing "
+               "scores, so every group would be dropped; set rollout.n >= 2 or disable it")
+    val = spec.rollout.val
+    if val.n > 1 and val.temperature == 0:
+        yield (f"rollout.val.n: {val.n} responses per held-out prompt need sampling, but greedy "
+               f"(temperature 0) gives one; set rollout.val.temperature > 0 or rollout.val.n: 1")
+    if spec.workflow.nodes is None and spec.workflow.name == "ppo" and alg.advantage_estimator != "gae":
+        yield (f"algorithm.advantageEstimator: the ppo workflow trains its critic on GAE returns, "
+               f"not {alg.advantage_estimator!r}; use gae (or workflow grpo/dapo)")
