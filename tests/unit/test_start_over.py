@@ -20,9 +20,11 @@ def test_previous_run_is_moved_aside_and_replaced_next_time(tmp_path):
     (run / "checkpoints" / "step_00000030").mkdir(parents=True)
     (run / "metrics.jsonl").write_text('{"training/step": 30}\n')
     (run / "eval_samples.jsonl").write_text("{}\n")
+    (run / "trained_ids.jsonl").write_text('{"step": 30, "ids": [1, 2]}\n')
     moved = set_aside_previous_run(spec)
     assert sorted(p.name for p in moved) == ["checkpoints.previous", "eval_samples.jsonl.previous",
-                                              "metrics.jsonl.previous"]
+                                              "metrics.jsonl.previous", "trained_ids.jsonl.previous"]
+    assert not (run / "trained_ids.jsonl").exists()  # the new run's ids are not appended to the old run's
     assert not (run / "checkpoints").exists() and not (run / "metrics.jsonl").exists()
     assert (run / "checkpoints.previous" / "step_00000030").is_dir()
     # A second start-over replaces the older .previous with the run just ended.

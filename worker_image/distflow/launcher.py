@@ -202,8 +202,8 @@ def set_aside_previous_run(spec: JobSpec) -> list[Path]:
     """Starting over (``--no-resume``, ``checkpoint.resume: never``): move an earlier run's
     checkpoints and logs out of the way.
 
-    ``checkpoint.dir`` and the metrics / eval-sample files in ``trainer.logDir``
-    are renamed to ``<name>.previous`` (replacing an older ``.previous``), so
+    ``checkpoint.dir`` and the metrics, eval-sample and trained-ids files in
+    ``trainer.logDir`` are renamed to ``<name>.previous`` (replacing an older ``.previous``), so
     the new run neither prunes its own first checkpoints as "older" than the
     old ones, nor resumes from the old run after a crash, nor mixes the two
     runs' metrics; the earlier run stays on disk until the next start-over.
@@ -213,7 +213,10 @@ def set_aside_previous_run(spec: JobSpec) -> list[Path]:
     """
     import shutil
 
-    candidates = [Path(spec.trainer.log_dir) / name for name in ("metrics.jsonl", "eval_samples.jsonl")]
+    from distflow import sample_ids
+
+    candidates = [Path(spec.trainer.log_dir) / name
+                  for name in ("metrics.jsonl", "eval_samples.jsonl", sample_ids.FILE)]
     if spec.checkpoint.dir:
         candidates.insert(0, Path(spec.checkpoint.dir))
     present = [path for path in candidates if path.exists()]
