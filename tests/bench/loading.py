@@ -19,6 +19,7 @@ import os
 import sys
 
 from tests.bench._common import REPO_ROOT, peak_rss_bytes, reset_peak_rss
+from tests.bench.render import render_loading
 
 MIB = 1 << 20
 
@@ -65,12 +66,7 @@ def main() -> None:
     parser.add_argument("--world", type=int, nargs="+", default=[2, 4])
     results = run(parser.parse_args().world)
     print(json.dumps(results, indent=1))
-    print(f"{'W':>3} {'rank':>4} {'before: peak MiB':>17} {'after: peak MiB':>16} {'after / before':>14} "
-          f"{'local shard MiB':>15}")
-    for world in sorted({int(k.split('=')[1]) for k in results}):
-        for rank, (b, a) in enumerate(zip(results[f"before/W={world}"], results[f"after/W={world}"])):
-            print(f"{world:>3} {rank:>4} {b['peak_mib']:>17.1f} {a['peak_mib']:>16.1f} "
-                  f"{a['peak_mib'] / b['peak_mib']:>14.2f} {a['local_shard_mib']:>15.1f}")
+    print(render_loading(results))
 
 
 if __name__ == "__main__":

@@ -24,6 +24,7 @@ import subprocess
 import sys
 
 from tests.bench._common import REPO_ROOT, peak_rss_bytes, reset_peak_rss
+from tests.bench.render import render_logprob
 
 MIB = 1 << 20
 _ROWS_PER_CHUNK = 1024
@@ -110,12 +111,7 @@ def main() -> None:
     args = parser.parse_args()
     results = run(args.batch, args.response, args.prompt, args.temperature, tuple(args.dtypes))
     print(json.dumps(results, indent=1))
-    print(f"{'logits dtype':>12} {'[b,R,V] MiB':>11} {'pass':>16} {'before MiB':>10} {'after MiB':>9} {'after/before':>12}")
-    for dtype in args.dtypes:
-        b, a = results[f"before/{dtype}"], results[f"after/{dtype}"]
-        for name in ("no_grad", "forward_backward"):
-            print(f"{dtype:>12} {b['logits_mib']:>11.0f} {name:>16} {b[name + '_mib']:>10.0f} "
-                  f"{a[name + '_mib']:>9.0f} {a[name + '_mib'] / b[name + '_mib']:>12.2f}")
+    print(render_logprob(results))
 
 
 if __name__ == "__main__":
