@@ -18,6 +18,10 @@ class OperatorConfig:
     """How often every job is reconciled even without events."""
     api_workers: int = 16
     """Threads making API calls (pods of one job are created in parallel)."""
+    api_qps: float = 20.0
+    """Sustained API calls per second, all threads together (client-go's QPS; controller-runtime's 20)."""
+    api_burst: int = 30
+    """API calls allowed at once above ``api_qps`` (client-go's burst)."""
     leader_election_namespace: str = ""
     """Namespace of the Lease replicas elect a leader with ("": no election, one replica)."""
     lease_duration_s: float = 15.0
@@ -30,13 +34,16 @@ class OperatorConfig:
             raise ValueError("progress_interval_s and resync_interval_s must be > 0 seconds")
         if self.lease_duration_s < 1:
             raise ValueError(f"lease_duration_s={self.lease_duration_s}: must be >= 1 second")
+        if self.api_qps <= 0 or self.api_burst < 1:
+            raise ValueError(f"api_qps={self.api_qps}, api_burst={self.api_burst}: need qps > 0 and burst >= 1")
         if self.api_workers < 1:
             raise ValueError(f"api_workers={self.api_workers}: must be >= 1")
 
     @classmethod
-    def from_env(cls, environ: Mapping[str, str] = os.environ) -> "OperatorConfig":
-        """DISTFLOW_OPERATOR_{METRICS_PORT,PROGRESS_INTERVAL,RESYNC_INTERVAL,API_WORKERS,
-        LEADER_ELECTION_NAMESPACE,LEASE_DURATION}.
+    def from_env(cls, environ: Mapping[str, str] = os.environ,
+                 defaults: "OperatorConfig | None" = None) -> "OperatorConfig":
+        """DISTFLOW_OPERATOR_{METRICS_PORT,PROGRESS_INTERVAL,RESYNC_INTERVAL,API_WORKERS,API_QPS,
+        API_BURST,LEADER_ELECTION_NAMESPACE,LEASE_DURATION}; an unset variable keeps ``defaults``' value.
 
         Raises:
             ValueError: a variable is not a number, or out of range.
@@ -48,10 +55,13 @@ class OperatorConfig:
             except ValueError:
                 raise ValueError(f"DISTFLOW_OPERATOR_{name}={raw!r}: expected a {kind.__name__}") from None
 
-        defaults = cls()
+        defaults = defaults or cls()
         return cls(metrics_port=get("METRICS_PORT", int, defaults.metrics_port),
                    progress_interval_s=get("PROGRESS_INTERVAL", float, defaults.progress_interval_s),
                    resync_interval_s=get("RESYNC_INTERVAL", float, defaults.resync_interval_s),
                    api_workers=get("API_WORKERS", int, defaults.api_workers),
-                   leader_election_namespace=environ.get("DISTFLOW_OPERATOR_LEADER_ELECTION_NAMESPACE", ""),
+                   api_qps=get("API_QPS", float, defaults.api_qps),
+                   api_burst=get("API_BURST", int, defaults.api_burst),
+                   leader_election_namespace=environ.get("DISTFLOW_OPERATOR_LEADER_ELECTION_NAMESPACE")
+                   or defaults.leader_election_namespace,
                    lease_duration_s=get("LEASE_DURATION", float, defaults.lease_duration_s))

@@ -40,6 +40,7 @@ from distflow.spec import (
     ADVANTAGE_ESTIMATORS, BUILTIN_WORKFLOWS, KL_ESTIMATORS, LOSS_AGG_MODES, NODE_ROLES,
     POLICY_LOSSES, JobSpec,
 )
+from distflow.spec.loading import JOB_NAME_PATTERN, MAX_JOB_NAME_LENGTH
 
 from distflow_operator import (
     API_GROUP, API_VERSION, CATEGORY, CRD_NAME, KIND, PLURAL, SHORT_NAME, SINGULAR,
@@ -66,8 +67,7 @@ IMMUTABLE = ("model", "data", "rollout", "algorithm", "actor", "workflow", "clus
              "checkpoint", "trainer")
 """What the pods compute: fixed for the job's life (runPolicy stays editable)."""
 
-MAX_NAME_LENGTH = 53
-"""63 (DNS label) minus len('-node-4095'): the longest pod hostname must still fit."""
+MAX_NAME_LENGTH = MAX_JOB_NAME_LENGTH
 
 _COPIED = ("type", "description", "enum", "pattern", "minLength", "maxLength", "minItems", "maxItems",
            "minimum", "maximum", "format", "maxProperties")
@@ -79,6 +79,8 @@ _TP = "self.rollout.tensorParallelSize"
 _DP = f"({_WORLD} / {_TP} > 1 ? {_WORLD} / {_TP} : 1)"
 _MINI = "self.actor.ppoMiniBatchSize"
 _BATCH = "self.data.trainBatchSize"
+_REPLICATE = "self.cluster.dataParallelReplicateDegree"
+_SHARD = "self.cluster.dataParallelShardDegree"
 
 SPEC_RULES: list[dict[str, str]] = [
     # Mirror distflow.spec.validation.size_problems: same fields, same fixes. The numbers stay in
@@ -98,6 +100,15 @@ SPEC_RULES: list[dict[str, str]] = [
     {"rule": f"self.rollout.engine != 'hf' || {_TP} == 1",
      "message": "rollout.tensorParallelSize: the hf engine runs with 1; set it to 1",
      "fieldPath": ".rollout.tensorParallelSize", "reason": "FieldValueInvalid"},
+    *({"rule": f"!has(self.cluster.{name}) || self.cluster.{name} < 1 || {_WORLD} % self.cluster.{name} == 0",
+       "message": f"cluster.{name}: must divide the workers (cluster.numNodes x cluster.procsPerNode); "
+                  "pick a divisor of that product",
+       "fieldPath": f".cluster.{name}", "reason": "FieldValueInvalid"}
+      for name in ("dataParallelReplicateDegree", "dataParallelShardDegree")),
+    {"rule": f"!has({_REPLICATE}) || !has({_SHARD}) || {_REPLICATE} * {_SHARD} == {_WORLD}",
+     "message": "cluster.dataParallelShardDegree: replicas x shards must be the workers "
+                "(cluster.numNodes x cluster.procsPerNode); set it so, or leave it unset",
+     "fieldPath": ".cluster.dataParallelShardDegree", "reason": "FieldValueInvalid"},
     {"rule": "oldSelf.runPolicy.suspend || (self.template == oldSelf.template && "
              "self.scheduling == oldSelf.scheduling)",
      "message": "spec.template and spec.scheduling may change only while the job is suspended; "
@@ -122,7 +133,7 @@ ROOT_RULE = {
 }
 NAME_RULE = {
     "rule": f"size(self.metadata.name) <= {MAX_NAME_LENGTH} && "
-            "self.metadata.name.matches('^[a-z]([-a-z0-9]*[a-z0-9])?$')",
+            f"self.metadata.name.matches('{JOB_NAME_PATTERN}')",
     "message": f"metadata.name: must start with a letter, contain only a-z, 0-9 and '-', and be at "
                f"most {MAX_NAME_LENGTH} characters (it names the Service and the pods <name>-node-<rank>)",
 }

@@ -24,16 +24,17 @@ from prometheus_client import CollectorRegistry, ProcessCollector, start_http_se
 
 from distflow_operator import API_GROUP, API_VERSION, MANAGER, PLURAL
 from distflow_operator.config import OperatorConfig
-from distflow_operator.kube import KubeApi, client_configuration, kopf_login
+from distflow_operator.kube import KubeApi, TokenBucket, client_configuration, kopf_login
 from distflow_operator.leader import LeaderElector
 from distflow_operator.metrics import OperatorMetrics
 from distflow_operator.podcache import PodCache
 from distflow_operator.reconcile import Reconciler
 from distflow_operator.render import LABEL_JOB, LABEL_MANAGED_BY
 
-NODE_POD_LABELS = {LABEL_MANAGED_BY: MANAGER, LABEL_JOB: kopf.PRESENT}
 NODE_POD_SELECTOR = f"{LABEL_MANAGED_BY}={MANAGER},{LABEL_JOB}"
-"""The same filter, applied by the API server: other pods never reach the operator."""
+"""distflow's node pods, selected by the API server for the watch and every LIST: other pods never
+reach the operator. The pod handler has no client-side filter on top, so that the events it counts
+(distflow_operator_pod_events_total) are what the watch delivered."""
 
 
 @dataclass
@@ -45,11 +46,14 @@ class OperatorRuntime:
     metrics: OperatorMetrics
     tasks: list[asyncio.Task] = field(default_factory=list)
     metrics_server: Any = None
+    elector: LeaderElector | None = None
 
     async def stop(self) -> None:
         for task in self.tasks:
             task.cancel()
         await asyncio.gather(*self.tasks, return_exceptions=True)
+        if self.elector is not None:
+            await self.elector.stop()
         await self.reconciler.close()
         if self.metrics_server is not None:
             self.metrics_server.shutdown()
@@ -95,17 +99,20 @@ async def start_operator(settings: kopf.OperatorSettings, memo: kopf.Memo, rljob
     configure(settings)
     config = memo.get("config") or OperatorConfig.from_env()
     metrics = OperatorMetrics()
-    api = KubeApi(client_configuration(), pool_size=config.api_workers)
+    api = KubeApi(client_configuration(), pool_size=config.api_workers,
+                  rate_limit=TokenBucket(config.api_qps, config.api_burst), record_error=metrics.record_api_error)
     reconciler = Reconciler(api, rljob_index, PodCache(), metrics, api_workers=config.api_workers,
                             pod_selector=NODE_POD_SELECTOR)
     runtime = OperatorRuntime(api, reconciler, metrics)
     runtime.tasks = [asyncio.create_task(reconciler.resync_forever(config.resync_interval_s)),
                      asyncio.create_task(reconciler.scrape_forever(config.progress_interval_s))]
     if config.leader_election_namespace:
-        elector = LeaderElector(api, config.leader_election_namespace, lease_duration_s=config.lease_duration_s,
-                                on_elected=reconciler.elected)
-        reconciler.is_leader = lambda: elector.is_leader
-        runtime.tasks.append(asyncio.create_task(elector.run(reconciler.call)))
+        lease_api = KubeApi(client_configuration(), pool_size=1, record_error=metrics.record_api_error)
+        elector = LeaderElector(lease_api, config.leader_election_namespace,
+                                lease_duration_s=config.lease_duration_s, on_elected=reconciler.elected)
+        reconciler.is_leader = metrics.is_leader = lambda: elector.is_leader
+        runtime.elector = elector
+        runtime.tasks.append(asyncio.create_task(elector.run()))
     if config.metrics_port:
         runtime.metrics_server = _serve_metrics(config.metrics_port, metrics)
     memo["runtime"] = runtime
@@ -130,11 +137,12 @@ async def job_changed(namespace: str, name: str, memo: kopf.Memo, **_: Any) -> N
     memo["runtime"].reconciler.kick((namespace, name))
 
 
-@kopf.on.event("pods", labels=NODE_POD_LABELS)
+@kopf.on.event("pods")
 async def node_pod_changed(type: str | None, body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:  # noqa: A002
     runtime = memo.get("runtime")
     if runtime is None:
         return  # startup not finished: the first resync lists these pods
+    runtime.metrics.record_pods_received(events=1)
     key = runtime.reconciler.pods.observe(type, body)
     if key is not None:
         runtime.reconciler.kick(key)

@@ -16,6 +16,9 @@ from __future__ import annotations
 import json
 import os
 import socket
+import threading
+import time
+from collections.abc import Callable
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -31,6 +34,8 @@ SERVICE_ACCOUNT_TOKEN = Path("/var/run/secrets/kubernetes.io/serviceaccount/toke
 _PLURALS = {"Pod": "pods", "ConfigMap": "configmaps", "Service": "services", "PodGroup": "podgroups",
             "Event": "events"}
 REQUEST_TIMEOUT_S = 30.0
+LIST_PAGE_SIZE = 500
+"""Objects per LIST page: an answer's size stays bounded however many pods a namespace holds."""
 
 
 class KubeApiError(RuntimeError):
@@ -104,17 +109,59 @@ def pod_group_patch(current: dict[str, Any], wanted: dict[str, Any]) -> dict[str
     return patch
 
 
+def _decode(raw: bytes) -> dict[str, Any]:
+    """A JSON answer, or the plain text some answer with (a path the API server does not serve:
+    "404 page not found") as its message."""
+    try:
+        return json.loads(raw) if raw else {}
+    except ValueError:
+        return {"message": raw.decode(errors="replace").strip()[:1024]}
+
+
 def _controller_uid(obj: dict[str, Any]) -> str | None:
     refs = obj.get("metadata", {}).get("ownerReferences") or []
     return next((r.get("uid") for r in refs if r.get("controller")), None)
 
 
-class KubeApi:
-    """Synchronous JSON calls against one API server."""
+class TokenBucket:
+    """Client-side rate limit as client-go's ``flowcontrol`` token bucket: ``qps`` calls per second
+    sustained, ``burst`` at once. Thread-safe; :meth:`take` blocks until a token is free."""
 
-    def __init__(self, configuration: k8s.Configuration, pool_size: int = 16):
+    def __init__(self, qps: float, burst: int, clock: Callable[[], float] = time.monotonic,
+                 sleep: Callable[[float], None] = time.sleep):
+        if qps <= 0 or burst < 1:
+            raise ValueError(f"api qps={qps}, burst={burst}: need qps > 0 and burst >= 1")
+        self._qps, self._burst, self._clock, self._sleep = qps, burst, clock, sleep
+        self._tokens, self._at = float(burst), clock()
+        self._lock = threading.Lock()
+
+    def take(self) -> float:
+        """Take one token; returns the seconds waited for it."""
+        with self._lock:
+            now = self._clock()
+            self._tokens = min(self._burst, self._tokens + (now - self._at) * self._qps)
+            self._at = now
+            self._tokens -= 1  # reserved now, so concurrent callers queue behind it
+            wait = max(0.0, -self._tokens / self._qps)
+        if wait:
+            self._sleep(wait)
+        return wait
+
+
+class KubeApi:
+    """Synchronous JSON calls against one API server.
+
+    Args:
+        rate_limit: shared by every call (None: unlimited).
+        record_error: called with the status of every answer >= 400, or None when no answer came.
+    """
+
+    def __init__(self, configuration: k8s.Configuration, pool_size: int = 16, *,
+                 rate_limit: TokenBucket | None = None,
+                 record_error: Callable[[int | None], None] = lambda code: None):
         configuration.connection_pool_maxsize = pool_size
         self._client = k8s.ApiClient(configuration)
+        self._rate_limit, self._record_error = rate_limit, record_error
 
     def close(self) -> None:
         self._client.close()
@@ -130,10 +177,17 @@ class KubeApi:
         method_, url, headers, payload, _ = self._client.param_serialize(
             method, path, query_params=query or [], body=body, auth_settings=["BearerToken"],
             header_params={"Content-Type": content_type, "Accept": "application/json"})
-        response = self._client.call_api(method_, url, header_params=headers, body=payload,
-                                         _request_timeout=REQUEST_TIMEOUT_S)
-        raw = response.read()
-        decoded = json.loads(raw) if raw else {}
+        if self._rate_limit is not None:
+            self._rate_limit.take()
+        try:
+            response = self._client.call_api(method_, url, header_params=headers, body=payload,
+                                             _request_timeout=REQUEST_TIMEOUT_S)
+        except Exception:
+            self._record_error(None)
+            raise
+        if response.status >= 400:
+            self._record_error(response.status)
+        decoded = _decode(response.read())
         if response.status not in ok:
             raise KubeApiError(method, path, response.status, decoded)
         return response.status, decoded
@@ -182,10 +236,32 @@ class KubeApi:
                                  ok=(200, 202, 404, 409))
         return status in (404, 409)
 
-    def list_pods(self, namespace: str, selector: str) -> list[dict[str, Any]]:
-        """Every pod in ``namespace`` matching the label ``selector`` (one LIST, not paged: a job's pods)."""
-        _, body = self.request("GET", collection_path("v1", "Pod", namespace), query=[("labelSelector", selector)])
-        return body.get("items") or []
+    def list_pods(self, namespace: str, selector: str, page_size: int = LIST_PAGE_SIZE) -> list[dict[str, Any]]:
+        """Every pod in ``namespace`` matching the label ``selector``."""
+        return self.list_objects(collection_path("v1", "Pod", namespace), selector, page_size)[0]
+
+    def list_jobs(self, namespace: str, page_size: int = LIST_PAGE_SIZE) -> tuple[list[dict[str, Any]], str]:
+        """Every RLPostTrainJob in ``namespace``, and the resourceVersion the LIST answered at."""
+        return self.list_objects(job_path(namespace, "").rstrip("/"), "", page_size)
+
+    def list_objects(self, path: str, selector: str = "",
+                     page_size: int = LIST_PAGE_SIZE) -> tuple[list[dict[str, Any]], str]:
+        """A collection read in pages of ``page_size`` (limit/continue), and the resourceVersion of
+        the last page. A continue token that expired mid-list (410) starts the LIST over."""
+        items: list[dict[str, Any]] = []
+        token = ""
+        while True:
+            query = [("limit", str(page_size))] + [(k, v) for k, v in (("labelSelector", selector),
+                                                                       ("continue", token)) if v]
+            status, body = self.request("GET", path, query=query, ok=(200, 410) if token else (200,))
+            if status == 410:
+                items, token = [], ""
+                continue
+            items += body.get("items") or []
+            meta = body.get("metadata") or {}
+            token = meta.get("continue") or ""
+            if not token:
+                return items, meta.get("resourceVersion", "")
 
     def delete_job(self, namespace: str, name: str, uid: str) -> None:
         """Delete the job; the garbage collector removes its children."""

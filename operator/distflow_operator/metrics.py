@@ -17,13 +17,18 @@ Series:
     distflow_operator_time_to_running_seconds                 histogram: (re)start -> every node running
     distflow_operator_reconciles_total
     distflow_operator_reconcile_errors_total
+    distflow_operator_reconcile_duration_seconds              histogram: one reconcile pass, API calls included
+    distflow_operator_work_queue_depth                        jobs marked for a reconcile that has not started
+    distflow_operator_api_errors_total{code}                  API answers >= 400 by HTTP status ("none": no answer)
+    distflow_operator_pod_events_total                        pod watch events received (distflow's pods only)
+    distflow_operator_pods_listed_total                       pods received from LISTs (resyncs)
 """
 
 from __future__ import annotations
 
 import bisect
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
@@ -32,6 +37,28 @@ from distflow_operator.status import PHASES
 
 TIME_TO_RUNNING_BUCKETS = (1.0, 2.0, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0, 3600.0)
 """Seconds; pods on warm GPU nodes start in seconds, cold image pulls take minutes."""
+RECONCILE_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+"""Seconds; controller-runtime's reconcile_time buckets, up to the API's request timeout."""
+
+
+class _Histogram:
+    """Bucket counts and sum of one histogram; the caller holds the lock."""
+
+    def __init__(self, bounds: tuple[float, ...]):
+        self.bounds = bounds
+        self.counts = [0] * (len(bounds) + 1)
+        self.sum = 0.0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect.bisect_left(self.bounds, value)] += 1
+        self.sum += value
+
+    def family(self, name: str, documentation: str) -> HistogramMetricFamily:
+        cumulative, buckets = 0, []
+        for bound, count in zip(list(self.bounds) + [float("inf")], self.counts, strict=True):
+            cumulative += count
+            buckets.append(("+Inf" if bound == float("inf") else repr(bound), cumulative))
+        return HistogramMetricFamily(name, documentation, buckets=buckets, sum_value=self.sum)
 
 
 @dataclass(frozen=True)
@@ -51,8 +78,16 @@ class OperatorMetrics:
         self._gang_restarts = 0
         self._reconciles = 0
         self._errors = 0
-        self._bucket_counts = [0] * (len(TIME_TO_RUNNING_BUCKETS) + 1)
-        self._running_sum = 0.0
+        self._time_to_running = _Histogram(TIME_TO_RUNNING_BUCKETS)
+        self._reconcile_time = _Histogram(RECONCILE_BUCKETS)
+        self._queue_depth = 0
+        self._api_errors: dict[str, int] = {}
+        self._pod_events = 0
+        self._pods_listed = 0
+        self.is_leader: Callable[[], bool] = lambda: True
+        """Set by leader election: only the leader exports job series, so a dashboard that sums
+        over every replica's scrape counts each job once, and a replica that lost its Lease stops
+        exporting what it can no longer keep current."""
 
     def record_job(self, namespace: str, name: str, sample: JobSample) -> None:
         with self._lock:
@@ -63,39 +98,73 @@ class OperatorMetrics:
         with self._lock:
             self._jobs.pop((namespace, name), None)
 
+    def forget_jobs(self) -> None:
+        """Drop every job's series: a newly elected leader records them anew from the API's state,
+        without the jobs deleted while it stood by."""
+        with self._lock:
+            self._jobs.clear()
+
     def record_gang_restarts(self, count: int) -> None:
         with self._lock:
             self._gang_restarts += count
 
-    def record_reconcile(self, failed: bool) -> None:
+    def record_reconcile(self, failed: bool, seconds: float = 0.0) -> None:
+        """One reconcile pass that took ``seconds`` (wall clock, API calls included)."""
         with self._lock:
             self._reconciles += 1
             self._errors += int(failed)
+            self._reconcile_time.observe(seconds)
 
     def observe_time_to_running(self, seconds: float) -> None:
         with self._lock:
-            self._bucket_counts[bisect.bisect_left(TIME_TO_RUNNING_BUCKETS, seconds)] += 1
-            self._running_sum += seconds
+            self._time_to_running.observe(seconds)
+
+    def set_queue_depth(self, depth: int) -> None:
+        self._queue_depth = depth  # one int store: atomic, read once per scrape
+
+    def record_pods_received(self, events: int = 0, listed: int = 0) -> None:
+        """Pods the operator was sent: by its pod watch (events) or its LISTs (listed)."""
+        with self._lock:
+            self._pod_events += events
+            self._pods_listed += listed
+
+    def record_api_error(self, code: int | None) -> None:
+        """An API call answered ``code`` >= 400 (expected ones too: a 409 on create), or no answer (None)."""
+        label = str(code) if code is not None else "none"
+        with self._lock:
+            self._api_errors[label] = self._api_errors.get(label, 0) + 1
 
     def collect(self) -> Iterator[Metric]:
         """prometheus_client Collector protocol."""
+        leading = self.is_leader()
         with self._lock:
-            jobs = dict(self._jobs)
+            jobs = dict(self._jobs) if leading else {}
             restarts, reconciles, errors = self._gang_restarts, self._reconciles, self._errors
-            counts, total = list(self._bucket_counts), self._running_sum
+            time_to_running = self._time_to_running.family(
+                "distflow_operator_time_to_running_seconds", "From pods created (or gang restart) to every node running")
+            reconcile_time = self._reconcile_time.family(
+                "distflow_operator_reconcile_duration_seconds", "One reconcile pass of one job, API calls included")
+            api_errors = dict(self._api_errors)
+            pod_events, pods_listed = self._pod_events, self._pods_listed
+        yield GaugeMetricFamily("distflow_operator_leader", "1 on the replica that reconciles (the Lease holder, "
+                                "or the only replica without election)", value=int(leading))
         yield from self._job_families(jobs)
         yield CounterMetricFamily("distflow_operator_gang_restarts",
                                   "Gang restarts this operator performed", value=restarts)
         yield CounterMetricFamily("distflow_operator_reconciles", "Reconciles run", value=reconciles)
         yield CounterMetricFamily("distflow_operator_reconcile_errors",
                                   "Reconciles that raised (retried with backoff)", value=errors)
-        cumulative, buckets = 0, []
-        for bound, count in zip(list(TIME_TO_RUNNING_BUCKETS) + [float("inf")], counts, strict=True):
-            cumulative += count
-            buckets.append(("+Inf" if bound == float("inf") else repr(bound), cumulative))
-        yield HistogramMetricFamily("distflow_operator_time_to_running_seconds",
-                                    "From pods created (or gang restart) to every node running",
-                                    buckets=buckets, sum_value=total)
+        yield time_to_running
+        yield reconcile_time
+        yield GaugeMetricFamily("distflow_operator_work_queue_depth",
+                                "Jobs marked for a reconcile that has not started yet", value=self._queue_depth)
+        by_code = CounterMetricFamily("distflow_operator_api_errors", "API answers >= 400 by HTTP status",
+                                      labels=["code"])
+        for code, count in sorted(api_errors.items()):
+            by_code.add_metric([code], count)
+        yield by_code
+        yield CounterMetricFamily("distflow_operator_pod_events", "Pod watch events received", value=pod_events)
+        yield CounterMetricFamily("distflow_operator_pods_listed", "Pods received from LISTs", value=pods_listed)
 
     @staticmethod
     def _job_families(jobs: dict[tuple[str, str], JobSample]) -> Iterator[Metric]:

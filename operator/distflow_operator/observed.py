@@ -8,16 +8,13 @@ spec once per reconcile with the same model ``distflow run`` uses.
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any
 
-from pydantic import ValidationError
-
 from distflow.errors import DistflowConfigError
-from distflow.spec import JobSpec, parse_spec
+from distflow.spec import JobSpec, parse_spec_ignoring_unknown
 
 from distflow_operator.podspec import KUEUE_QUEUE_LABEL
 from distflow_operator.render import CONTAINER_NAME, LABEL_ATTEMPT, LABEL_RANK, template_problems
@@ -25,6 +22,10 @@ from distflow_operator.render import CONTAINER_NAME, LABEL_ATTEMPT, LABEL_RANK, 
 
 DISRUPTION_REASONS = ("Evicted", "Preempted", "Preempting", "Terminated")
 """Pod status reasons a kubelet or scheduler sets when it, not the workload, ended the pod."""
+DISRUPTION_CONDITIONS = ("DisruptionTarget", "TerminationTarget")
+"""Pod conditions that mark a stop the workload did not cause: DisruptionTarget (scheduler preemption,
+eviction, taint manager, pod GC) and TerminationTarget, which Kueue's pod integration sets when it
+preempts or evicts a workload (sigs.k8s.io/kueue pkg/controller/jobs/pod, ConditionTypeTerminationTarget)."""
 
 
 def format_time(value: datetime) -> str:
@@ -65,7 +66,7 @@ class PodView:
     """deletionTimestamp: when the grace period of a deleted pod ends."""
     created: datetime | None = None
     disrupted: bool = False
-    """Condition DisruptionTarget is True (preemption, eviction, taint manager) or the pod was evicted."""
+    """A DISRUPTION_CONDITIONS condition is True (preemption, eviction, Kueue) or the pod was evicted."""
     waiting_reason: str | None = None
     """Why the node container is not started yet (ErrImagePull, ...)."""
     exit_code: int | None = None
@@ -121,7 +122,8 @@ def pod_view(pod: Mapping[str, Any]) -> PodView:
         deleting=bool(meta.get("deletionTimestamp")),
         deletion_time=parse_time(meta.get("deletionTimestamp")),
         created=parse_time(meta.get("creationTimestamp")),
-        disrupted=conditions.get("DisruptionTarget") == "True" or status.get("reason") in DISRUPTION_REASONS,
+        disrupted=(any(conditions.get(c) == "True" for c in DISRUPTION_CONDITIONS)
+                   or status.get("reason") in DISRUPTION_REASONS),
         waiting_reason=waiting.get("reason"),
         exit_code=terminated.get("exitCode"),
         reason=status.get("reason") or terminated.get("reason"),
@@ -161,16 +163,12 @@ def job_view(body: Mapping[str, Any], status: Mapping[str, Any] | None = None) -
     problems: tuple[str, ...] = ()
     unknown: tuple[str, ...] = ()
     try:
-        spec = parse_spec(body.get("spec"), root="spec")
+        # A CRD newer than this operator (upgrade order, or a rolled-back operator) serves fields it
+        # does not know; failing a running job over a field it cannot act on would turn skew into an outage.
+        spec, unknown = parse_spec_ignoring_unknown(body.get("spec"), root="spec")
     except DistflowConfigError as err:
         problems = tuple(err.problems)
-        pruned, unknown = _without_unknown_fields(body.get("spec"))
-        if unknown:
-            try:
-                spec, problems = parse_spec(pruned, root="spec"), ()
-            except DistflowConfigError as still:
-                problems = tuple(still.problems)
-    if spec is not None and (template := template_problems(spec)):
+    if spec is not None and (template := template_problems(spec) or workflow_problems(spec)):
         spec, problems = None, tuple(template)
     return JobView(
         name=meta.get("name", ""),
@@ -187,28 +185,17 @@ def job_view(body: Mapping[str, Any], status: Mapping[str, Any] | None = None) -
     )
 
 
-def _without_unknown_fields(spec: Any) -> tuple[Any, tuple[str, ...]]:
-    """(spec without the fields the spec model does not know, their paths).
+def workflow_problems(spec: JobSpec) -> list[str]:
+    """What the planner rejects in a custom workflow (a cycle, a node reading what nothing upstream
+    produces): every pod's pre-flight would fail on it, so the job fails before any pod exists.
+    Built-in workflows always plan once the schema's size rules hold, and are not planned here."""
+    if not spec.workflow.nodes:
+        return []
+    from distflow.planner import build_plan
 
-    Why: a CRD newer than this operator (upgrade order, or a rolled-back
-    operator) serves fields the model forbids; failing a running job over a
-    field this operator cannot act on anyway would turn a version skew into
-    an outage. Only unknown fields are dropped; every other problem still counts.
-    """
-    if not isinstance(spec, dict):
-        return spec, ()
     try:
-        JobSpec.model_validate(spec)
-        return spec, ()
-    except ValidationError as err:
-        paths = [e["loc"] for e in err.errors() if e["type"] == "extra_forbidden"]
-    pruned = copy.deepcopy(spec)
-    for loc in paths:
-        parent = pruned
-        for key in loc[:-1]:
-            parent = parent[key] if isinstance(parent, dict) or isinstance(key, int) else None
-            if parent is None:
-                break
-        if isinstance(parent, dict):
-            parent.pop(loc[-1], None)
-    return pruned, tuple(".".join(["spec", *map(str, loc)]) for loc in paths)
+        build_plan(spec)
+    except DistflowConfigError as err:
+        return list(err.problems)
+    return []
+

@@ -23,7 +23,7 @@ from distflow_operator.render import LABEL_JOB
 
 JobKey = tuple[str, str]
 """(namespace, job name)"""
-MAX_DISRUPTED_NAMES = 64
+MAX_DISRUPTED_PODS = 64
 
 
 class PodCache(Mapping[JobKey, list[PodView]]):
@@ -34,8 +34,9 @@ class PodCache(Mapping[JobKey, list[PodView]]):
         self._written: dict[str, tuple[JobKey, int]] = {}
         """pod uid -> (job key, sequence number of the last write)."""
         self._by_job: dict[JobKey, dict[str, PodView]] = {}
-        self._disrupted: dict[JobKey, list[str]] = {}
-        """Names of pods that were deleted after a disruption (eviction, preemption), newest last."""
+        self._disrupted: dict[JobKey, dict[str, tuple[str | None, int | None]]] = {}
+        """uid -> (owner uid, attempt) of pods deleted after a disruption (eviction, preemption), oldest first.
+        Keyed by uid: pod names repeat in every attempt and in a re-created job of the same name."""
 
     @staticmethod
     def _identify(pod: Mapping[str, Any]) -> tuple[str, JobKey] | None:
@@ -66,17 +67,27 @@ class PodCache(Mapping[JobKey, list[PodView]]):
         uid, key = found
         if event_type == "DELETED":
             self.forget(uid)
-            if pod_view(pod).disrupted:
+            view = pod_view(pod)
+            if view.disrupted:
                 # The pod is gone by the time the job reconciles; its last state says why.
-                names = self._disrupted.setdefault(key, [])
-                names[:] = names[-(MAX_DISRUPTED_NAMES - 1):] + [pod["metadata"].get("name", "")]
+                uids = self._disrupted.setdefault(key, {})
+                uids[uid] = (view.owner_uid, view.attempt)
+                for old in list(uids)[:-MAX_DISRUPTED_PODS]:
+                    del uids[old]
         else:
             self._put(uid, key, pod_view(pod))
         return key
 
-    def disrupted(self, key: JobKey) -> frozenset[str]:
-        """Names of the job's pods whose deletion a disruption caused (as far as watch events told)."""
-        return frozenset(self._disrupted.get(key, ()))
+    def disrupted(self, key: JobKey, owner_uid: str, attempt: int) -> frozenset[str]:
+        """uids of the pods of this job's ``attempt`` whose deletion a disruption caused (as far as watch
+        events told); forgets those of earlier attempts and of an earlier job of the same name."""
+        uids = self._disrupted.get(key, {})
+        for uid, (owner, of_attempt) in list(uids.items()):
+            if owner != owner_uid or (of_attempt or 0) < attempt:
+                del uids[uid]
+        if not uids:
+            self._disrupted.pop(key, None)
+        return frozenset(uid for uid, (_, of_attempt) in uids.items() if of_attempt == attempt)
 
     def begin_list(self) -> int:
         """Mark the start of a LIST; pass the mark to :meth:`replace`."""

@@ -21,20 +21,30 @@ labelled ``distflow.io/attempt=a``. Decisions, in order:
    container config error that outlasts ``podErrorGraceSeconds`` (a Secret
    may appear seconds later). Any other failure or loss of a node pod
    restarts the whole gang as attempt a+1 after a backoff of
-   ``backoffSeconds * 2**(restarts-1)`` (capped at an hour), until
-   ``maxRestarts``. Disruptions (preemption, eviction: the DisruptionTarget
-   condition) and ``Ignore`` exit codes restart the gang without using up
-   ``maxRestarts``, as a Job's podFailurePolicy does. The runtime resumes
-   from its last checkpoint.
-6. All nodes exited 0: Succeeded.
+   ``backoffSeconds * 2**(n-1)`` for the job's n-th gang restart (capped at an
+   hour), until ``maxRestarts``. Disruptions (preemption, eviction: the
+   DisruptionTarget condition, or Kueue's TerminationTarget) and ``Ignore``
+   exit codes restart the gang without using up ``maxRestarts``, as a Job's
+   podFailurePolicy does, but they back off like any restart: a node that is
+   lost again and again cannot turn the gang over in a tight loop. The pull
+   error's grace runs from when the operator first saw it (``podErrors`` in
+   the status), not from the pod's creation: a pod gated by Kueue or waiting
+   for an autoscaled node gets the whole grace when its pull starts failing.
+   What ended the attempt stays in ``status.lastFailure`` after the restart
+   deletes the pod. The runtime resumes from its last checkpoint.
+6. All nodes exited 0: Succeeded. A rank that exited 0 stays done
+   (``succeededRanks``) when the pod garbage collector removes its pod.
 7. Otherwise pods of older attempts are deleted first, then, once they are gone
    and the backoff has passed, missing ranks are created. A pod still
    Terminating ``terminatingTimeoutSeconds`` after its grace period (its node
    is gone and no kubelet confirms) is force-deleted; meanwhile the status
    says which pods the restart waits for. When the API server refuses the
-   pods, the status says why at once; a refusal as invalid (400, 422) fails
-   the job after three passes in a row, a 403 (quota, Pod Security, RBAC)
-   once it has lasted ``podErrorGraceSeconds`` (see :class:`Rejection`).
+   pods, the status says why at once and the next try waits 2 s, doubling up
+   to a minute; a refusal as invalid (400, 422) fails the job on the third
+   try, a 403 (Pod Security, RBAC) once it has lasted
+   ``podErrorGraceSeconds``. A quota refusal fails nothing: the job waits,
+   as an unschedulable pod would, bounded only by ``activeDeadlineSeconds``
+   (see :class:`Rejection`).
 
 Deliberately simplified: a missing pod that the operator never saw (e.g. lost
 while the operator itself was down) is recreated within the same attempt
@@ -50,6 +60,7 @@ from datetime import datetime
 from typing import Any
 
 from distflow_operator.observed import JobView, PodView, parse_time
+from distflow_operator.render import pod_name
 
 TERMINAL_PHASES = ("Succeeded", "Failed")
 FAIL_FAST_WAITING_REASONS = {"InvalidImageName": "ImagePullFailed"}
@@ -63,7 +74,38 @@ GRACE_WAITING_REASONS = {
 MAX_CHILD_REJECTIONS = 3
 """Passes in a row whose pod creation the API server refused as invalid (400, 422) before the job fails."""
 FORBIDDEN = 403
+QUOTA_REFUSAL = "exceeded quota"
+"""What the ResourceQuota admission plugin's 403 says: room that frees when other workloads end."""
+REFUSED_RETRY_SECONDS = 2.0
+"""Wait before the second try of a refused pod creation; doubles with each refusal."""
+MAX_REFUSED_RETRY_SECONDS = 60.0
 MAX_BACKOFF_SECONDS = 3600.0
+
+
+@dataclass(frozen=True)
+class PodError:
+    """A node pod waiting on an error that may clear (GRACE_WAITING_REASONS) and since when it is seen."""
+
+    pod: str
+    uid: str
+    reason: str
+    since: datetime
+    """When the operator first saw this pod waiting on an error: the grace runs from here."""
+
+
+@dataclass(frozen=True)
+class NodeFailure:
+    """What ended an attempt, kept in ``status.lastFailure`` once the restart has deleted the pod."""
+
+    attempt: int
+    pod: str
+    reason: str
+    """The container's or the pod's reason (OOMKilled, Error, Evicted, ImagePullBackOff), else NodeLost."""
+    message: str
+    """The node's termination message (why the runtime exited), else the operator's explanation."""
+    time: datetime
+    rank: int | None = None
+    exit_code: int | None = None
 
 
 @dataclass(frozen=True)
@@ -78,17 +120,25 @@ class RunState:
     start_time: datetime | None = None
     last_restart_time: datetime | None = None
     completion_time: datetime | None = None
+    pod_errors: tuple[PodError, ...] = ()
+    """Pods of the current attempt waiting on a pull or config error, with when it was first seen."""
+    succeeded_ranks: frozenset[int] = frozenset()
+    """Ranks of the current attempt that exited 0 (their pods may be garbage-collected since)."""
+    last_failure: NodeFailure | None = None
 
 
 @dataclass(frozen=True)
 class Rejection:
-    """The API server refused to create the node pods on every pass since ``since``.
+    """The API server refused to create the node pods on every try since ``since``.
 
-    Why two clocks: 400 and 422 say the pod itself is invalid, which only a spec
-    edit fixes, so a few tries suffice. 403 is a verdict on the cluster's state
-    (quota in use, the namespace's Pod Security level, RBAC, or an admission
-    plugin whose discovery lags a CRD installed moments ago), which can change
+    Why three clocks: 400 and 422 say the pod itself is invalid, which only a
+    spec edit fixes, so a few tries suffice. 403 is a verdict on the cluster's
+    state (the namespace's Pod Security level, RBAC, or an admission plugin
+    whose discovery lags a CRD installed moments ago), which can change
     without any edit: it fails the job only after ``podErrorGraceSeconds``.
+    A ResourceQuota's 403 is room that other workloads hold, often for hours
+    (a long job's gang restart while the namespace is full): the job waits for
+    it as a pod waits for a node, bounded by ``activeDeadlineSeconds`` only.
     """
 
     tries: int
@@ -97,6 +147,8 @@ class Rejection:
     message: str
     since: datetime
     """When the first refusal of this run happened."""
+    last: datetime
+    """When the last refusal happened: the next try waits :func:`refused_retry_delay` from here."""
 
 
 @dataclass(frozen=True)
@@ -134,6 +186,8 @@ def run_state(status: Mapping[str, Any], pods: Sequence[PodView]) -> RunState:
     """The run state from the last written status; pods of a newer attempt win
     (their status write may have been lost)."""
     attempt = max([status.get("attempt") or 1] + [p.attempt for p in pods if p.attempt])
+    same_attempt = (status.get("attempt") or 1) == attempt
+    failure = status.get("lastFailure")
     return RunState(
         attempt=attempt,
         restarts=status.get("restarts") or 0,
@@ -141,14 +195,39 @@ def run_state(status: Mapping[str, Any], pods: Sequence[PodView]) -> RunState:
         start_time=parse_time(status.get("startTime")),
         last_restart_time=parse_time(status.get("lastRestartTime")),
         completion_time=parse_time(status.get("completionTime")),
+        pod_errors=tuple(PodError(e["pod"], e["uid"], e["reason"], parse_time(e["since"]))
+                         for e in status.get("podErrors") or [] if same_attempt),
+        succeeded_ranks=frozenset(status.get("succeededRanks") or ()) if same_attempt else frozenset(),
+        last_failure=NodeFailure(
+            failure["attempt"], failure["pod"], failure["reason"], failure.get("message", ""),
+            parse_time(failure["time"]), failure.get("rank"), failure.get("exitCode")) if failure else None,
     )
 
 
 def restart_backoff(backoff_seconds: float, restarts: int) -> float:
-    """Delay before gang restart number ``restarts`` (1-based), in seconds."""
+    """Delay before the job's gang restart number ``restarts`` (1-based, counted or not), in seconds."""
     if restarts < 1:
         return 0.0
     return min(backoff_seconds * 2.0 ** (restarts - 1), MAX_BACKOFF_SECONDS)
+
+
+def refused_retry_delay(tries: int) -> float:
+    """Seconds between refused pod creation number ``tries`` (1-based) and the next try."""
+    return min(REFUSED_RETRY_SECONDS * 2.0 ** (tries - 1), MAX_REFUSED_RETRY_SECONDS)
+
+
+def _new_attempt(state: RunState, **changes: Any) -> RunState:
+    """The next attempt: what was observed of the pods of this one no longer applies."""
+    return replace(state, attempt=state.attempt + 1, pod_errors=(), succeeded_ranks=frozenset(), **changes)
+
+
+def _observe(state: RunState, current: Sequence[PodView], now: datetime) -> RunState:
+    """Record pull and config errors first seen now, and ranks that exited 0."""
+    seen = {e.uid: e for e in state.pod_errors}
+    errors = tuple(PodError(p.name, p.uid, p.waiting_reason, seen[p.uid].since if p.uid in seen else now)
+                   for p in current if p.waiting_reason in GRACE_WAITING_REASONS)
+    done = {p.rank for p in current if p.phase == "Succeeded" and p.rank is not None}
+    return replace(state, pod_errors=errors, succeeded_ranks=state.succeeded_ranks | done)
 
 
 def _min(*values: float | None) -> float | None:
@@ -172,14 +251,15 @@ Failure = tuple[str, Outcome]
 """(action, why): action FailJob, Count (a restart) or Ignore (a restart maxRestarts does not count)."""
 
 
-def _pod_failure(pod: PodView, job: JobView, now: datetime) -> Failure | None:
+def _pod_failure(pod: PodView, job: JobView, state: RunState, now: datetime) -> Failure | None:
     """What this current-attempt pod's state means, or None when it is fine (or within a grace period)."""
     detail = f"node pod {pod.name}: {pod.waiting_reason}; {pod.message}".rstrip("; ")
     if pod.waiting_reason in FAIL_FAST_WAITING_REASONS:
         return "FailJob", Outcome("Failed", FAIL_FAST_WAITING_REASONS[pod.waiting_reason], detail)
-    if pod.waiting_reason in GRACE_WAITING_REASONS and pod.created is not None:
+    since = next((e.since for e in state.pod_errors if e.uid == pod.uid), None)
+    if since is not None:
         grace = job.spec.run_policy.pod_error_grace_seconds
-        if (now - pod.created).total_seconds() >= grace:
+        if (now - since).total_seconds() >= grace:
             return "FailJob", Outcome("Failed", GRACE_WAITING_REASONS[pod.waiting_reason],
                                       f"{detail} (still after runPolicy.podErrorGraceSeconds={grace})")
     if pod.phase == "Failed":
@@ -200,12 +280,19 @@ def _pod_failure(pod: PodView, job: JobView, now: datetime) -> Failure | None:
     return None
 
 
-def _grace_left(pods: Sequence[PodView], job: JobView, now: datetime) -> float | None:
+def _grace_left(state: RunState, job: JobView, now: datetime) -> float | None:
     """Seconds until the first pod error in its grace period becomes fatal."""
     grace = job.spec.run_policy.pod_error_grace_seconds
-    left = [grace - (now - p.created).total_seconds() for p in pods
-            if p.waiting_reason in GRACE_WAITING_REASONS and p.created is not None]
+    left = [grace - (now - e.since).total_seconds() for e in state.pod_errors]
     return max(0.0, min(left)) if left else None
+
+
+def _node_failure(state: RunState, pod: PodView | None, name: str, why: Outcome, now: datetime) -> NodeFailure:
+    """The record of what ended the attempt; ``pod`` is None for a pod that vanished unseen."""
+    if pod is None:
+        return NodeFailure(state.attempt, name, why.reason, why.message, now)
+    return NodeFailure(state.attempt, pod.name, pod.waiting_reason or pod.reason or why.reason,
+                       pod.message or why.message, now, pod.rank, pod.exit_code)
 
 
 def _lost(name: str) -> Outcome:
@@ -219,9 +306,9 @@ def _restart(job: JobView, pods: Sequence[PodView], state: RunState, now: dateti
         return _finish(job, pods, state, now, Outcome(
             "Failed", "MaxRestartsExceeded",
             f"{why.message}; {state.restarts} restarts used, runPolicy.maxRestarts={policy.max_restarts}"))
-    state = replace(state, attempt=state.attempt + 1, restarts=state.restarts + counted,
-                    disruptions=state.disruptions + (not counted), last_restart_time=now)
-    delay = restart_backoff(policy.backoff_seconds, state.restarts) if counted else 0.0
+    state = _new_attempt(state, restarts=state.restarts + counted, disruptions=state.disruptions + (not counted),
+                         last_restart_time=now)
+    delay = restart_backoff(policy.backoff_seconds, state.restarts + state.disruptions)
     which = f"restart {state.restarts} of {policy.max_restarts}" if counted else "not counted in maxRestarts"
     message = (f"{why.message}; restarting all {job.spec.cluster.num_nodes} nodes as attempt "
                f"{state.attempt} ({which}) in {delay:g}s")
@@ -231,6 +318,12 @@ def _restart(job: JobView, pods: Sequence[PodView], state: RunState, now: dateti
 
 def _refusal(job: JobView, rejected: Rejection, now: datetime) -> tuple[Outcome, float | None]:
     """(what the refusals mean, seconds until a 403 fails the job); the outcome is Failed once they do."""
+    if rejected.status == FORBIDDEN and QUOTA_REFUSAL in rejected.message:
+        elapsed = (now - rejected.since).total_seconds()
+        return Outcome("Pending", "QuotaExceeded", (
+            f"the namespace's ResourceQuota refuses the node pods ({rejected.tries} tries in {elapsed:.0f}s); "
+            f"trying again every {MAX_REFUSED_RETRY_SECONDS:g}s at most until it has room, as long as "
+            f"runPolicy.activeDeadlineSeconds allows: {rejected.message}")), None
     if rejected.status == FORBIDDEN:
         grace = job.spec.run_policy.pod_error_grace_seconds
         elapsed = (now - rejected.since).total_seconds()
@@ -247,8 +340,10 @@ def _refusal(job: JobView, rejected: Rejection, now: datetime) -> tuple[Outcome,
         f"the API server refuses the node pods ({tries}; the job fails after {limit}): {rejected.message}")), left
 
 
-def _stuck(job: JobView, pods: Sequence[PodView], now: datetime) -> tuple[tuple[PodView, ...], float | None]:
-    """(pods Terminating past the timeout, seconds until the next one is)."""
+def stuck_terminating(job: JobView, pods: Sequence[PodView],
+                      now: datetime) -> tuple[tuple[PodView, ...], float | None]:
+    """(pods Terminating past ``runPolicy.terminatingTimeoutSeconds`` after their grace period,
+    seconds until the next one is); a gang restart's and ``stale.clear_stale_pods``' force deletes."""
     timeout = job.spec.run_policy.terminating_timeout_seconds
     due = [(p, (p.deletion_time - now).total_seconds() + timeout) for p in pods if p.deletion_time is not None]
     stuck = tuple(p for p, left in due if left <= 0)
@@ -276,7 +371,7 @@ def _advance(job: JobView, pods: Sequence[PodView], state: RunState, now: dateti
     stale = [p for p in pods if p.attempt != state.attempt or p.rank is None or not 0 <= p.rank < num_nodes]
     if stale:
         terminating = sorted(p.name for p in stale if p.deleting)
-        stuck, stuck_in = _stuck(job, [p for p in stale if p.deleting], now)
+        stuck, stuck_in = stuck_terminating(job, [p for p in stale if p.deleting], now)
         waiting = None
         if terminating:
             waiting = "WaitingForTermination", (f"waiting for {len(terminating)} pods of earlier attempts to terminate "
@@ -287,9 +382,9 @@ def _advance(job: JobView, pods: Sequence[PodView], state: RunState, now: dateti
                         waiting=waiting, requeue_after=_min(deadline_left, stuck_in))
     wait = 0.0
     if state.last_restart_time is not None:
-        delay = restart_backoff(job.spec.run_policy.backoff_seconds, state.restarts)
+        delay = restart_backoff(job.spec.run_policy.backoff_seconds, state.restarts + state.disruptions)
         wait = max(0.0, delay - (now - state.last_restart_time).total_seconds())
-    missing = tuple(r for r in range(num_nodes) if r not in current)
+    missing = tuple(r for r in range(num_nodes) if r not in current | state.succeeded_ranks)
     if wait > 0 or not missing:
         return Decision(state, requeue_after=_min(wait or None, deadline_left))
     state = replace(state, start_time=state.start_time or now)
@@ -322,32 +417,54 @@ def decide(job: JobView, pods: Sequence[PodView], now: datetime, lost: Collectio
     if job.spec.run_policy.suspend:
         return Decision(state, suspended=True, delete_pods=tuple(p for p in pods if not p.deleting))
     if prev_phase == "Suspended" and state.start_time is not None:
-        state = replace(state, attempt=state.attempt + 1, start_time=None)
+        state = _new_attempt(state, start_time=None)
         lost = ()  # the pods the suspension deleted belong to the previous attempt
     past_deadline, deadline_left = _deadline(job, state, now)
     if past_deadline:
         return _finish(job, pods, state, now, past_deadline)
     current = [p for p in pods if p.attempt == state.attempt]
-    failures = [f for f in (_pod_failure(p, job, now) for p in sorted(current, key=lambda p: p.name)) if f]
-    present = {p.name for p in current}
-    failures += [("Ignore", Outcome("Restarting", "NodeDisrupted", f"node pod {name} was disrupted"))
-                 if name in disrupted else ("Count", _lost(name)) for name in sorted(lost) if name not in present]
-    fatal = next((why for action, why in failures if action == "FailJob"), None)
+    state = _observe(state, current, now)
+    failures = _failures(job, current, state, now, lost, disrupted)
+    fatal = next((f for f in failures if f[0] == "FailJob"), None)
     if fatal:
-        return _finish(job, pods, state, now, fatal)
+        return _finish(job, pods, replace(state, last_failure=fatal[2]), now, fatal[1])
     refused, refused_left = _refusal(job, rejected, now) if rejected is not None else (None, None)
     if refused is not None and refused.phase == "Failed":
         return _finish(job, pods, state, now, refused)
     if failures:
-        counted = [why for action, why in failures if action == "Count"]
-        return _restart(job, pods, state, now, (counted or [failures[0][1]])[0], counted=bool(counted))
-    done = {p.rank for p in current if p.phase == "Succeeded"}
-    if len(done) == job.spec.cluster.num_nodes:
+        counted = [f for f in failures if f[0] == "Count"]
+        _, why, failure = (counted or failures)[0]
+        return _restart(job, pods, replace(state, last_failure=failure), now, why, counted=bool(counted))
+    if len(state.succeeded_ranks) == job.spec.cluster.num_nodes:
         return _finish(job, pods, state, now, Outcome(
-            "Succeeded", "Completed", f"all {len(done)} nodes exited 0 (attempt {state.attempt})"))
+            "Succeeded", "Completed", f"all {len(state.succeeded_ranks)} nodes exited 0 (attempt {state.attempt})"))
     decision = _advance(job, pods, state, now, deadline_left)
     if refused is not None:
-        decision = replace(decision, waiting=(refused.reason, refused.message),
-                           requeue_after=_min(decision.requeue_after, refused_left))
-    grace_left = _grace_left(current, job, now)
+        decision = _hold_refused(decision, refused, refused_left, rejected, now)
+    grace_left = _grace_left(state, job, now)
     return replace(decision, requeue_after=_min(decision.requeue_after, grace_left)) if grace_left else decision
+
+
+def _failures(job: JobView, current: Sequence[PodView], state: RunState, now: datetime,
+              lost: Collection[str], disrupted: Collection[str]) -> list[tuple[str, Outcome, NodeFailure]]:
+    """(action, why, record) for every pod of the current attempt that failed, is failing or vanished."""
+    out = []
+    for pod in sorted(current, key=lambda p: p.name):
+        if found := _pod_failure(pod, job, state, now):
+            out.append((*found, _node_failure(state, pod, pod.name, found[1], now)))
+    present = {p.name for p in current} | {pod_name(job.name, r) for r in state.succeeded_ranks}
+    for name in sorted(set(lost) - present):
+        action, why = (("Ignore", Outcome("Restarting", "NodeDisrupted", f"node pod {name} was disrupted"))
+                       if name in disrupted else ("Count", _lost(name)))
+        out.append((action, why, _node_failure(state, None, name, why, now)))
+    return out
+
+
+def _hold_refused(decision: Decision, refused: Outcome, fatal_in: float | None, rejected: Rejection,
+                  now: datetime) -> Decision:
+    """Report the refusal; try the pods again only once the retry delay since the last refusal is over."""
+    retry_in = refused_retry_delay(rejected.tries) - (now - rejected.last).total_seconds()
+    requeue = _min(decision.requeue_after, fatal_in)
+    if decision.create_ranks and retry_in > 0:
+        decision, requeue = replace(decision, create_ranks=()), _min(requeue, retry_in)
+    return replace(decision, waiting=(refused.reason, refused.message), requeue_after=requeue)

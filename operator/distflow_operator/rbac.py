@@ -8,7 +8,11 @@ discovery rules are read-only and cluster-scoped: kopf lists and watches
 namespaces and CRDs even when it serves one namespace, and without them it
 retries for about a minute before falling back.
 
-``update`` on Leases: leader election between replicas (leader.py).
+Leader election (leader.py) gets its own rules, ``LEADER_ELECTION_RULES``,
+bound in the operator's namespace only: get and update of the operator's
+Lease by name, and create of Leases there (RBAC cannot restrict create by
+name: the new object's name is not part of the request's URL). No Lease
+elsewhere (kube-node-lease, kube-system) is writable.
 ``update`` on ``rlposttrainjobs/finalizers``: children carry
 ``blockOwnerDeletion: true``, which the OwnerReferencesPermissionEnforcement
 admission plugin allows only to who may update the owner's finalizers.
@@ -22,6 +26,7 @@ node pods get no rights at all.
 from __future__ import annotations
 
 from distflow_operator import API_GROUP, PLURAL
+from distflow_operator.leader import LEASE_NAME
 
 OPERATOR_RULES: list[dict[str, list[str]]] = [
     {"apiGroups": [API_GROUP], "resources": [PLURAL], "verbs": ["get", "list", "watch", "delete"]},
@@ -31,7 +36,6 @@ OPERATOR_RULES: list[dict[str, list[str]]] = [
     {"apiGroups": [""], "resources": ["configmaps"], "verbs": ["get", "create", "patch"]},
     {"apiGroups": [""], "resources": ["services"], "verbs": ["get", "create"]},
     {"apiGroups": [""], "resources": ["events"], "verbs": ["create"]},
-    {"apiGroups": ["coordination.k8s.io"], "resources": ["leases"], "verbs": ["get", "create", "update"]},
     {"apiGroups": ["scheduling.volcano.sh", "scheduling.x-k8s.io"], "resources": ["podgroups"],
      "verbs": ["get", "create", "patch"]},
 ]
@@ -42,3 +46,10 @@ KOPF_DISCOVERY_RULES: list[dict[str, list[str]]] = [
     {"apiGroups": [""], "resources": ["namespaces"], "verbs": ["list", "watch"]},
     {"apiGroups": ["apiextensions.k8s.io"], "resources": ["customresourcedefinitions"], "verbs": ["list", "watch"]},
 ]
+
+LEADER_ELECTION_RULES: list[dict[str, list[str]]] = [
+    {"apiGroups": ["coordination.k8s.io"], "resources": ["leases"], "verbs": ["create"]},
+    {"apiGroups": ["coordination.k8s.io"], "resources": ["leases"], "resourceNames": [LEASE_NAME],
+     "verbs": ["get", "update"]},
+]
+"""Bound by a Role in the namespace given as --leader-election-namespace (the chart: the release's)."""

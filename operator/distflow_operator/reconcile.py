@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import time
 from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -42,6 +43,7 @@ from distflow_operator.progress import scrape_progress
 from distflow_operator.render import (
     JobRef, build_config_map, build_headless_service, build_node_pod, build_pod_group,
 )
+from distflow_operator.stale import STALE_REASON, UNOWNED_REASON, clear_stale_pods
 from distflow_operator.status import compute_status, status_patch, transition_events
 
 logger = logging.getLogger("distflow_operator")
@@ -50,12 +52,10 @@ JobKey = tuple[str, str]
 MAX_ERROR_BACKOFF_S = 60.0
 EVENT_DEDUP_S = 600.0
 CONFLICT_RETRY_S = 0.5
-REJECTED_RETRY_S = 0.5
-"""First retry after the API server refused the node pods; doubles with each refusal."""
-MAX_REJECTED_RETRY_S = 10.0
-REFUSED_CREATE_ERRORS = (400, 403, 422)
-"""Answers that refuse a pod creation (bad volume, PodSecurity, quota): remembered as a policy.Rejection,
-reported in the status and bounded by the policy, never retried silently."""
+REFUSED_CREATE_ERRORS = (400, 403, 404, 422)
+"""Answers that refuse a pod creation (bad volume, PodSecurity, quota; 404: a child's kind is not served,
+e.g. a PodGroup without its scheduler's CRD): remembered as a policy.Rejection, reported in the status at
+once, retried with backoff (policy.refused_retry_delay) and bounded by the policy."""
 
 
 def _newer(a: str | None, b: str | None) -> str | None:
@@ -76,8 +76,8 @@ class _JobMemory:
     status: dict[str, Any] | None = None
     """The status as last computed and written."""
     seen_attempt: int = 0
-    seen: set[str] = field(default_factory=set)
-    """Pods of seen_attempt observed so far: one that vanishes was lost."""
+    seen: dict[str, str] = field(default_factory=dict)
+    """uid -> name of the pods of seen_attempt observed so far: one that vanishes was lost."""
     progress: dict[str, Any] | None = None
     """Last progress scraped from node 0."""
     resource_version: str | None = None
@@ -87,13 +87,13 @@ class _JobMemory:
     posted: dict[tuple[str, str, str], float] = field(default_factory=dict)
     """Events posted recently -> when: the same event is not posted again within EVENT_DEDUP_S."""
 
-    def lost(self, attempt: int, pods: Iterable[PodView]) -> set[str]:
-        names = {p.name for p in pods if p.attempt == attempt}
+    def lost(self, attempt: int, pods: Iterable[PodView]) -> dict[str, str]:
+        """uid -> name of the pods of ``attempt`` seen before and gone now."""
+        present = {p.uid: p.name for p in pods if p.attempt == attempt}
         if attempt != self.seen_attempt:
-            self.seen_attempt, self.seen = attempt, set()
-        lost = self.seen - names
-        self.seen |= names
-        return lost
+            self.seen_attempt, self.seen = attempt, {}
+        self.seen.update(present)
+        return {uid: name for uid, name in self.seen.items() if uid not in present}
 
 
 @dataclass
@@ -103,6 +103,14 @@ class _QueueEntry:
     timer: asyncio.TimerHandle | None = None
     timer_due: float = 0.0
     failures: int = 0
+
+
+def _refusal_message(job: JobView, err: KubeApiError) -> str:
+    if err.status != 404:
+        return str(err)
+    scheduler = job.spec.scheduling.batch_scheduler if job.spec is not None else "none"
+    return (f"{err}: this cluster does not serve that kind; spec.scheduling.batchScheduler={scheduler} needs "
+            "its scheduler and PodGroup CRD installed (or set batchScheduler: none)")
 
 
 def _first(store: Any) -> Any:
@@ -130,6 +138,11 @@ class Reconciler:
         self._pool = ThreadPoolExecutor(api_workers, thread_name_prefix="distflow-api")
         self._memory: dict[JobKey, _JobMemory] = {}
         self._queue: dict[JobKey, _QueueEntry] = {}
+        self._queue_depth = 0
+        """Entries marked dirty whose pass has not started: the work queue's depth."""
+        self._ghosts: dict[JobKey, str] = {}
+        """Jobs the index still holds but a LIST said are gone (deleted while a watch was down) -> uid.
+        The index is fed by watch events; one whose DELETED event a watch gap swallowed would stay."""
 
     @property
     def num_jobs(self) -> int:
@@ -137,10 +150,16 @@ class Reconciler:
 
     # -- work queue ------------------------------------------------------------------------
 
+    def _mark(self, entry: _QueueEntry, dirty: bool) -> None:
+        if entry.dirty != dirty:
+            self._queue_depth += 1 if dirty else -1
+            self._metrics.set_queue_depth(self._queue_depth)
+        entry.dirty = dirty
+
     def kick(self, key: JobKey) -> None:
         """Reconcile ``key`` soon (coalesced with any pass already running)."""
         entry = self._queue.setdefault(key, _QueueEntry())
-        entry.dirty = True
+        self._mark(entry, True)
         if entry.task is None or entry.task.done():
             entry.task = asyncio.get_running_loop().create_task(self._drain(key, entry))
 
@@ -157,15 +176,16 @@ class Reconciler:
 
     async def _drain(self, key: JobKey, entry: _QueueEntry) -> None:
         while entry.dirty:
-            entry.dirty = False
+            self._mark(entry, False)
+            started = time.monotonic()
             try:
                 delay = await self.reconcile(key)
                 entry.failures = 0
-                self._metrics.record_reconcile(failed=False)
+                self._metrics.record_reconcile(failed=False, seconds=time.monotonic() - started)
             except Exception:
                 entry.failures += 1
                 delay = min(2.0 ** entry.failures, MAX_ERROR_BACKOFF_S)
-                self._metrics.record_reconcile(failed=True)
+                self._metrics.record_reconcile(failed=True, seconds=time.monotonic() - started)
                 logger.exception("reconcile %s/%s failed; retrying in %.0fs", *key, delay)
             if delay is not None and key in self._queue:
                 self._requeue(key, entry, max(delay, 0.05))
@@ -174,8 +194,10 @@ class Reconciler:
         """The job is gone: drop its memory, timers and metric series."""
         self._memory.pop(key, None)
         entry = self._queue.pop(key, None)
-        if entry is not None and entry.timer is not None:
-            entry.timer.cancel()
+        if entry is not None:
+            self._mark(entry, False)
+            if entry.timer is not None:
+                entry.timer.cancel()
         self._metrics.forget_job(*key)
 
     # -- one pass --------------------------------------------------------------------------
@@ -185,12 +207,14 @@ class Reconciler:
         return await asyncio.get_running_loop().run_in_executor(self._pool, functools.partial(fn, *args))
     def kick_all(self) -> None:
         for key in list(self._jobs):
-            self.kick(key)
+            if key not in self._ghosts:
+                self.kick(key)
 
     def elected(self) -> None:
         """This replica leads (again): what it remembered may be stale, so start from the API's state."""
         for memory in self._memory.values():
             memory.status, memory.resource_version = None, None
+        self._metrics.forget_jobs()
         self.kick_all()
 
     async def reconcile(self, key: JobKey) -> float | None:
@@ -201,7 +225,7 @@ class Reconciler:
             # The first resync may have run before the job index knew this job's namespace.
             await self._list_pods({key[0]})
         body = _first(self._jobs.get(key))
-        if body is None:
+        if body is None or self._ghosts.get(key) == body["metadata"]["uid"]:
             self.forget(key)
             return None
         uid = body["metadata"]["uid"]
@@ -214,11 +238,15 @@ class Reconciler:
         job = job_view(body, memory.status if ours else None)
         if job.deleting:
             return None  # the garbage collector removes the children; the status stays as it was
-        pods = [p for p in self._pods.get(key, ()) if p.owner_uid == uid]
+        labelled = self._pods.get(key, ())
+        pods = [p for p in labelled if p.owner_uid == uid]
         now = self._clock()
-        lost = memory.lost(run_state(job.status, pods).attempt, pods)
-        disrupted = self._pods.disrupted(key) if lost and isinstance(self._pods, PodCache) else ()
-        decision = decide(job, pods, now, lost, memory.rejected, disrupted)
+        attempt = run_state(job.status, pods).attempt
+        lost = memory.lost(attempt, pods)
+        evicted = self._pods.disrupted(key, uid, attempt) if lost and isinstance(self._pods, PodCache) else ()
+        disrupted = {name for pod_uid, name in lost.items() if pod_uid in evicted}
+        decision = clear_stale_pods(job, [p for p in labelled if p.owner_uid != uid],
+                                    decide(job, pods, now, set(lost.values()), memory.rejected, disrupted), now)
         new = compute_status(job, pods, decision, now, memory.progress)
         if new != job.status:
             version = _newer(memory.resource_version, body_version)
@@ -241,10 +269,12 @@ class Reconciler:
             new["phase"], new.get("restarts", 0), new.get("readyNodes", 0), new.get("desiredNodes", 0)))
         if new != job.status:
             await self._post_events(job, transition_events(job.status, new))
+        if decision.waiting and decision.waiting[0] in (STALE_REASON, UNOWNED_REASON):
+            await self._post_events(job, [("Warning", *decision.waiting)])
         if await self._act(job, memory, decision, now) is False:
-            # The next pass reports the refusal in the status and tries again, or fails the job.
-            retry = min(REJECTED_RETRY_S * 2.0 ** (memory.rejected.tries - 1), MAX_REJECTED_RETRY_S)
-            return min(retry, decision.requeue_after or retry)
+            # The next pass, at once, reports the refusal in the status; the policy holds the next try
+            # until refused_retry_delay has passed, however often the job is kicked meanwhile.
+            return 0.0
         return decision.requeue_after
 
     async def _act(self, job: JobView, memory: _JobMemory, decision: Decision, now: datetime) -> bool:
@@ -258,10 +288,10 @@ class Reconciler:
             await self._apply(job, decision)
         except KubeApiError as err:
             if decision.create_ranks and err.status in REFUSED_CREATE_ERRORS:
-                last = memory.rejected
-                memory.rejected = Rejection(last.tries + 1 if last else 1, err.status, str(err),
-                                            last.since if last else now)
-                await self._post_events(job, [("Warning", "PodCreationRejected", str(err))])
+                last, message = memory.rejected, _refusal_message(job, err)
+                memory.rejected = Rejection(last.tries + 1 if last else 1, err.status, message,
+                                            last.since if last else now, now)
+                await self._post_events(job, [("Warning", "PodCreationRejected", message)])
                 return False
             await self._post_events(job, [("Warning", "ReconcileError", str(err))])
             raise
@@ -339,18 +369,42 @@ class Reconciler:
         mark = self._pods.begin_list()
         listed = await asyncio.gather(*(self.call(self._api.list_pods, ns, self._pod_selector)
                                         for ns in sorted(namespaces)))
+        self._metrics.record_pods_received(listed=sum(len(items) for items in listed))
         for key in self._pods.replace(mark, [pod for items in listed for pod in items], namespaces):
             self.kick(key)
         self._listed_namespaces |= namespaces
 
-    async def resync_forever(self, interval_s: float) -> None:
-        """Relist pods and kick every known job periodically: heals what a missed event left behind."""
-        while True:
+    async def relist_jobs(self) -> None:
+        """LIST the jobs of every namespace the index knows; a job the index holds that the LIST does
+        not (and that is not newer than the LIST) was deleted during a watch gap: forget it."""
+        index = {key: body for key in list(self._jobs) if (body := _first(self._jobs.get(key))) is not None}
+        namespaces = sorted({ns for ns, _ in index})
+        answers = await asyncio.gather(*(self.call(self._api.list_jobs, ns) for ns in namespaces))
+        listed = {(ns, item["metadata"]["name"]) for ns, (items, _) in zip(namespaces, answers, strict=True)
+                  for item in items}
+        at = dict(zip(namespaces, (version for _, version in answers), strict=True))
+        self._ghosts = {key: uid for key, uid in self._ghosts.items() if key in index}
+        for key, body in index.items():
+            meta = body["metadata"]
+            if key in listed or _newer(meta.get("resourceVersion"), at[key[0]]) != at[key[0]]:
+                continue
+            if self._ghosts.get(key) != meta["uid"]:
+                logger.info("%s/%s was deleted while a watch was down; forgetting it", *key)
+                self._ghosts[key] = meta["uid"]
+            self.forget(key)
+
+    async def resync(self) -> None:
+        """Relist jobs and pods, then kick every known job: heals what a missed event left behind."""
+        for relist in (self.relist_jobs, self.relist_pods):
             try:
-                await self.relist_pods()
+                await relist()
             except Exception as err:  # the API server may be restarting; the next resync lists again
-                logger.warning("pod relist failed: %s", err)
-            self.kick_all()
+                logger.warning("%s failed: %s", relist.__name__, err)
+        self.kick_all()
+
+    async def resync_forever(self, interval_s: float) -> None:
+        while True:
+            await self.resync()
             await asyncio.sleep(interval_s)
 
     def _scrape_targets(self) -> list[tuple[JobKey, str, int]]:

@@ -2,7 +2,8 @@
 
 Children of a job ``<job>`` in its namespace:
 
-    ConfigMap  <job>-config        spec.yaml = the fully defaulted spec every pod reads
+    ConfigMap  <job>-config        spec.yaml = the spec every pod reads (fields not at their default,
+                                   and the schema version: distflow.spec.render_spec_document)
     Service    <job>               headless, publishNotReadyAddresses (rank DNS before readiness)
     Pod        <job>-node-<rank>   one per node; hostname/subdomain give
                                    <job>-node-<rank>.<job>.<ns>.svc
@@ -26,7 +27,7 @@ from typing import Any
 import yaml
 
 from distflow.errors import DistflowConfigError
-from distflow.spec import API_GROUP, API_VERSION, KIND, JobSpec, dump_spec
+from distflow.spec import API_GROUP, API_VERSION, KIND, JobSpec, render_spec_document
 
 from distflow_operator import MANAGER
 from distflow_operator import podspec
@@ -125,8 +126,9 @@ def _metadata(name: str, owner: JobRef, labels: dict[str, str]) -> dict[str, Any
 
 
 def build_config_map(spec: JobSpec, owner: JobRef) -> dict[str, Any]:
-    """ConfigMap ``<job>-config`` holding the defaulted spec as ``spec.yaml``."""
-    text = yaml.safe_dump(dump_spec(spec), sort_keys=False)
+    """ConfigMap ``<job>-config`` holding the spec as ``spec.yaml``: only what differs from the defaults,
+    so that a worker image of the previous release reads it (the version-skew contract)."""
+    text = yaml.safe_dump(render_spec_document(spec), sort_keys=False)
     return {"apiVersion": "v1", "kind": "ConfigMap",
             "metadata": _metadata(config_map_name(owner.name), owner, job_labels(owner.name, "config")),
             "data": {SPEC_FILE: text}}

@@ -32,7 +32,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from pydantic.alias_generators import to_camel
 
 from distflow_operator.observed import JobView, PodView, format_time
-from distflow_operator.policy import Decision
+from distflow_operator.policy import Decision, NodeFailure
 
 PHASES = ("Pending", "Starting", "Running", "Restarting", "Succeeded", "Failed", "Suspended")
 CONDITION_TYPES = ("Ready", "Restarting", "Suspended", "Succeeded", "Failed", "VersionSkew")
@@ -67,6 +67,29 @@ class Progress(_Status):
     """Step of the newest complete checkpoint."""
 
 
+class PodErrorStatus(_Status):
+    pod: str
+    uid: str
+    reason: str
+    """ErrImagePull, ImagePullBackOff or CreateContainerConfigError."""
+    since: str
+    """When the operator first saw the pod waiting on it (RFC 3339); runPolicy.podErrorGraceSeconds runs from here."""
+
+
+class LastFailure(_Status):
+    attempt: int
+    """The attempt this failure ended."""
+    rank: int | None = None
+    pod: str
+    reason: str
+    """The container's or pod's reason (OOMKilled, Error, Evicted, ...), or NodeLost/NodeDisrupted."""
+    exit_code: int | None = None
+    message: str = ""
+    """The node's termination message (its last words), or the operator's explanation."""
+    time: str
+    """When the operator decided on it (RFC 3339)."""
+
+
 class JobStatus(_Status):
     """Status of an RLPostTrainJob, written by the operator only."""
 
@@ -98,6 +121,12 @@ class JobStatus(_Status):
     """When the last gang restart was decided."""
     progress: Progress | None = None
     """Training progress scraped from node 0."""
+    pod_errors: list[PodErrorStatus] | None = None
+    """Node pods of the current attempt waiting on a pull or config error, since when."""
+    succeeded_ranks: list[int] | None = None
+    """Ranks of the current attempt that exited 0 (kept when their pods are garbage-collected)."""
+    last_failure: LastFailure | None = None
+    """What ended the last failed attempt: kept after the restart deletes the pod and its logs."""
     conditions: list[Condition] = Field(default_factory=list)
     """metav1.Condition-style conditions, one per type."""
 
@@ -185,6 +214,13 @@ def _progress(job: JobView, scraped: Mapping[str, Any] | None, phase: str) -> di
     return Progress.model_validate(merged).model_dump(exclude_none=True) if merged else None
 
 
+def _last_failure(failure: NodeFailure | None) -> LastFailure | None:
+    if failure is None:
+        return None
+    return LastFailure(attempt=failure.attempt, rank=failure.rank, pod=failure.pod, reason=failure.reason,
+                       exit_code=failure.exit_code, message=failure.message, time=format_time(failure.time))
+
+
 def compute_status(job: JobView, pods: Sequence[PodView], decision: Decision, now: datetime,
                    scraped: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """The job's new status (camelCase mapping, as written to the API).
@@ -204,8 +240,10 @@ def compute_status(job: JobView, pods: Sequence[PodView], decision: Decision, no
         return held
     desired = job.spec.cluster.num_nodes if job.spec else 0
     current = [p for p in pods if p.attempt == state.attempt and not p.deleting]
-    running = sum(p.phase in ("Running", "Succeeded") for p in current)
-    scheduled = sum(p.scheduled or p.phase != "Pending" for p in current)
+    # A rank that exited 0 counts as running even once the pod garbage collector has removed its pod.
+    collected = len(state.succeeded_ranks - {p.rank for p in current})
+    running = sum(p.phase in ("Running", "Succeeded") for p in current) + collected
+    scheduled = sum(p.scheduled or p.phase != "Pending" for p in current) + collected
     ready = sum(p.ready for p in current)
     phase = _phase(job, decision, desired, running, scheduled)
     reason, message = _explain(job, decision, phase, (desired, running, scheduled))
@@ -218,6 +256,10 @@ def compute_status(job: JobView, pods: Sequence[PodView], decision: Decision, no
         completion_time=format_time(state.completion_time) if state.completion_time else None,
         last_restart_time=format_time(state.last_restart_time) if state.last_restart_time else None,
         progress=_progress(job, scraped, phase),
+        pod_errors=[PodErrorStatus(pod=e.pod, uid=e.uid, reason=e.reason, since=format_time(e.since))
+                    for e in state.pod_errors] or None,
+        succeeded_ranks=sorted(state.succeeded_ranks) or None,
+        last_failure=_last_failure(state.last_failure),
         conditions=_conditions(job, phase, reason, message, ready, desired, now,
                                _version_skew(job, decision)),
     )

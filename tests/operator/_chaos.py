@@ -11,12 +11,14 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.request
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
 import psutil
 
+from tests.controlplane.cluster import free_port
 from tests.operator._helpers import REPO
 
 LEASE_S = 3.0
@@ -28,6 +30,8 @@ class Replicas:
     def __init__(self, control_plane: Any, kubeconfig: Path, namespace: str, log_dir: Path):
         self.cp, self.kubeconfig, self.ns, self.log_dir = control_plane, kubeconfig, namespace, log_dir
         self.procs: list[subprocess.Popen] = []
+        self.metrics_ports: dict[int, int] = {}
+        """pid -> the replica's /metrics port."""
         self.kills = 0
 
     def start(self) -> subprocess.Popen:
@@ -35,12 +39,27 @@ class Replicas:
                "PYTHONPATH": os.pathsep.join([str(REPO / "worker_image"), str(REPO / "operator"),
                                               os.environ.get("PYTHONPATH", "")])}
         log = open(self.log_dir / f"operator-{len(self.procs)}.log", "w")  # noqa: SIM115 (closed with the process)
+        port = free_port()
         proc = subprocess.Popen(
-            [sys.executable, "-m", "distflow_operator", "-n", self.ns, "--metrics-port", "0", "--liveness-port",
+            [sys.executable, "-m", "distflow_operator", "-n", self.ns, "--metrics-port", str(port), "--liveness-port",
              "0", "--resync-interval", "2", "--leader-election-namespace", self.ns,
              "--lease-duration", str(LEASE_S)], env=env, stdout=log, stderr=subprocess.STDOUT)
         self.procs.append(proc)
+        self.metrics_ports[proc.pid] = port
         return proc
+
+    def pods_received(self) -> float:
+        """Pods the live replicas were sent, watch events and LISTs together (their own metrics)."""
+        total = 0.0
+        for proc in self.procs:
+            if proc.poll() is not None:
+                continue
+            with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_ports[proc.pid]}/metrics", timeout=5) as r:
+                text = r.read().decode()
+            total += sum(float(line.split()[-1]) for line in text.splitlines()
+                         if line.startswith(("distflow_operator_pod_events_total ",
+                                             "distflow_operator_pods_listed_total ")))
+        return total
 
     def leader_pid(self) -> int | None:
         status, lease = self.cp.request("GET", f"/apis/coordination.k8s.io/v1/namespaces/{self.ns}/leases/"

@@ -22,13 +22,14 @@ import pytest
 import yaml
 
 from distflow_operator import API_GROUP, API_VERSION, CRD_NAME, KIND, PLURAL
-from distflow_operator.rbac import KOPF_DISCOVERY_RULES, OPERATOR_RULES
+from distflow_operator.rbac import KOPF_DISCOVERY_RULES, LEADER_ELECTION_RULES, OPERATOR_RULES
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLE = REPO / "examples" / "rljob.yaml"
 CRD_FILE = REPO / "crds" / f"{CRD_NAME}.yaml"
 OPERATOR_ROLE = "distflow-operator-test"
 DISCOVERY_ROLE = "distflow-operator-test-discovery"
+LEADER_ROLE = "distflow-operator-test-leader-election"
 OPERATOR_SA = "distflow-operator"
 
 
@@ -142,7 +143,8 @@ def crd(control_plane) -> str:
     assert out.returncode == 0, out.stderr
     wait_for(lambda: control_plane.kubectl("wait", "--for=condition=Established", "--timeout=20s",
                                            f"crd/{CRD_NAME}").returncode == 0, 30, what="CRD Established")
-    for name, rules in ((OPERATOR_ROLE, OPERATOR_RULES), (DISCOVERY_ROLE, KOPF_DISCOVERY_RULES)):
+    for name, rules in ((OPERATOR_ROLE, OPERATOR_RULES), (DISCOVERY_ROLE, KOPF_DISCOVERY_RULES),
+                        (LEADER_ROLE, LEADER_ELECTION_RULES)):
         role = {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRole",
                 "metadata": {"name": name}, "rules": rules}
         control_plane.request("POST", "/apis/rbac.authorization.k8s.io/v1/clusterroles", role,
@@ -187,8 +189,8 @@ def wait_admission_maps_the_kind(control_plane: Any, timeout_s: float = 45.0) ->
 
 
 def operator_kubeconfig(control_plane: Any, namespace: str, directory: Path) -> Path:
-    """A kubeconfig for a fresh ServiceAccount bound to OPERATOR_RULES in `namespace` only,
-    and to the read-only KOPF_DISCOVERY_RULES cluster-wide."""
+    """A kubeconfig for a fresh ServiceAccount bound to OPERATOR_RULES and LEADER_ELECTION_RULES in
+    `namespace` only, and to the read-only KOPF_DISCOVERY_RULES cluster-wide."""
     control_plane.request("POST", f"/api/v1/namespaces/{namespace}/serviceaccounts",
                           {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": OPERATOR_SA}},
                           expect=(201, 409))
@@ -196,8 +198,11 @@ def operator_kubeconfig(control_plane: Any, namespace: str, directory: Path) -> 
                "metadata": {"name": OPERATOR_SA},
                "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": OPERATOR_ROLE},
                "subjects": [{"kind": "ServiceAccount", "name": OPERATOR_SA, "namespace": namespace}]}
-    control_plane.request("POST", f"/apis/rbac.authorization.k8s.io/v1/namespaces/{namespace}/rolebindings",
-                          binding, expect=(201, 409))
+    leader = {**binding, "metadata": {"name": f"{OPERATOR_SA}-leader-election"},
+              "roleRef": {**binding["roleRef"], "name": LEADER_ROLE}}
+    for role_binding in (binding, leader):
+        control_plane.request("POST", f"/apis/rbac.authorization.k8s.io/v1/namespaces/{namespace}/rolebindings",
+                              role_binding, expect=(201, 409))
     discovery = {**binding, "kind": "ClusterRoleBinding", "metadata": {"name": f"{DISCOVERY_ROLE}-{namespace}"},
                  "roleRef": {**binding["roleRef"], "name": DISCOVERY_ROLE}}
     control_plane.request("POST", "/apis/rbac.authorization.k8s.io/v1/clusterrolebindings", discovery,

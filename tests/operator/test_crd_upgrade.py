@@ -80,8 +80,8 @@ def test_jobs_survive_the_documented_crd_upgrade(control_plane, crd, cluster_hel
 
         apply_crds(control_plane, CHART)  # docs/operations.md, "Upgrade": the CRD first ...
         wait_for(lambda: accepts_shm_size(api), 30, what="the new CRD served")
-        cluster_helm("upgrade", release, str(CHART), "-n", ns, "--reuse-values", "--wait", "--timeout=180s")
-        stop(proc)  # ... then the operator is replaced (Recreate)
+        cluster_helm("upgrade", release, str(CHART), "-n", ns, "--reset-then-reuse-values", "--wait", "--timeout=180s")
+        stop(proc)  # ... then the operator is replaced (it gives its Lease up as it stops)
         proc = start_operator(control_plane, ns, release, tmp_path / "new")
 
         job = api.job("up-job")

@@ -1,6 +1,6 @@
 """The Grafana dashboard against a real Prometheus that scraped a real run.
 
-Prometheus (Debian's package; .ci/setup installs it) scrapes, every second, the
+Prometheus (Debian's package; .ci/setup --tests installs it) scrapes, every second, the
 two node exporters of a local `distflow run` (a tiny model, 2 nodes) and the
 operator's /metrics while the operator takes a job on the test control plane
 through a gang restart. Every PromQL expression of

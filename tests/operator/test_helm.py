@@ -21,6 +21,7 @@ import re
 import signal
 import subprocess
 import sys
+import time
 import urllib.request
 import uuid
 from pathlib import Path
@@ -29,7 +30,7 @@ import pytest
 import yaml
 from distflow_operator import API_GROUP, API_VERSION, CRD_NAME, PLURAL
 from distflow_operator.__main__ import _parser as operator_cli
-from distflow_operator.rbac import KOPF_DISCOVERY_RULES, OPERATOR_RULES
+from distflow_operator.rbac import KOPF_DISCOVERY_RULES, LEADER_ELECTION_RULES, OPERATOR_RULES
 
 from tests.controlplane.cluster import free_port
 from tests.operator._helpers import REPO, Api, example_job, wait_for
@@ -151,7 +152,7 @@ def test_rbac_grants_exactly_the_operator_rules(helm, mode):
     scheduler = values.get("batchScheduler", "none")
     namespaces = values.get("watchNamespaces", "").strip("{}").split(",") if "watchNamespaces" in values else []
     operator_roles = [d for d in by_kind(docs, "ClusterRole") + by_kind(docs, "Role")
-                      if not d["metadata"]["name"].endswith(("-edit", "-view"))]
+                      if not d["metadata"]["name"].endswith(("-edit", "-view", "-leader-election"))]
     cluster_roles = [d for d in operator_roles if d["kind"] == "ClusterRole"]
     roles = [d for d in operator_roles if d["kind"] == "Role"]
     in_namespace, cluster_scope = expected_grants(scheduler, cluster_wide=not namespaces)
@@ -159,20 +160,24 @@ def test_rbac_grants_exactly_the_operator_rules(helm, mode):
     assert sorted(d["metadata"]["namespace"] for d in roles) == sorted(namespaces)
     for role in roles:
         assert grant(role["rules"]) == in_namespace
+    (leader,) = [d for d in by_kind(docs, "Role") if d["metadata"]["name"].endswith("-leader-election")]
+    assert leader["metadata"]["namespace"] == "distflow-system" and leader["rules"] == LEADER_ELECTION_RULES
     bindings = by_kind(docs, "RoleBinding") + by_kind(docs, "ClusterRoleBinding")
     assert sorted((b["roleRef"]["kind"], b["metadata"].get("namespace", "")) for b in bindings) == sorted(
-        [("ClusterRole", "")] + [("Role", ns) for ns in namespaces])
+        [("ClusterRole", ""), ("Role", "distflow-system")] + [("Role", ns) for ns in namespaces])
     sa = by_kind(docs, "ServiceAccount")[0]["metadata"]
     for binding in bindings:
         assert binding["subjects"] == [{"kind": "ServiceAccount", "name": sa["name"], "namespace": sa["namespace"]}]
     updates = {t[1] for t in grant(OPERATOR_RULES) if t[2] == "update"}
-    assert updates == {"rlposttrainjobs/finalizers", "leases"} and not {t for t in grant(OPERATOR_RULES) if t[1] == "secrets"}
+    assert updates == {"rlposttrainjobs/finalizers"} and not {t for t in grant(OPERATOR_RULES) if t[1] == "secrets"}
+    assert not {t for t in grant(OPERATOR_RULES) if t[1] == "leases"}  # never cluster-wide or in job namespaces
 
 
-def test_deployment_runs_one_hardened_operator_with_flags_the_cli_accepts(helm):
+def test_deployment_runs_two_hardened_replicas_that_elect_a_leader_with_flags_the_cli_accepts(helm):
     docs = helm.template("--set", "watchNamespaces={team-a,team-b}", "--set", "logging.level=debug")
     deploy = by_kind(docs, "Deployment")[0]["spec"]
-    assert (deploy["replicas"], deploy["strategy"]) == (1, {"type": "Recreate"})
+    assert (deploy["replicas"], deploy["strategy"]) == (
+        2, {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}})
     pod = deploy["template"]["spec"]
     (container,) = pod["containers"]
     assert pod["securityContext"]["runAsNonRoot"] is True and pod["securityContext"]["runAsUser"] == 10001
@@ -180,11 +185,59 @@ def test_deployment_runs_one_hardened_operator_with_flags_the_cli_accepts(helm):
     assert container["securityContext"]["allowPrivilegeEscalation"] is False
     assert container["resources"]["requests"] == {"cpu": "100m", "memory": "128Mi"}
     assert container["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "health"}
+    assert container["readinessProbe"]["httpGet"] == {"path": "/healthz", "port": "health"}
     ports = {p["name"]: p["containerPort"] for p in container["ports"]}
-    args = operator_cli().parse_args(container["args"])
+    args = operator_cli({}).parse_args(container["args"])
     assert (args.namespace, args.verbose) == (["team-a", "team-b"], True)
     assert (args.metrics_port, args.liveness_port) == (ports["metrics"], ports["health"]) == (8080, 8081)
+    assert (args.leader_election_namespace, args.lease_duration) == ("distflow-system", 15.0)
+    assert (args.api_qps, args.api_burst) == (20.0, 30)
     assert container["image"] == "distflow/operator:0.1.0"
+    (pdb,) = by_kind(docs, "PodDisruptionBudget")
+    assert pdb["spec"] == {"minAvailable": 1, "selector": deploy["selector"]}
+    (spread,) = pod["affinity"]["podAntiAffinity"]["preferredDuringSchedulingIgnoredDuringExecution"]
+    assert spread["podAffinityTerm"] == {"topologyKey": "kubernetes.io/hostname",
+                                         "labelSelector": {"matchLabels": deploy["selector"]["matchLabels"]}}
+
+
+def test_a_budget_that_would_block_every_drain_is_refused_and_a_given_affinity_wins(helm):
+    out = helm("template", "x", str(CHART), f"--kube-version={kube_version()}",
+               "--set", "podDisruptionBudget.minAvailable=2", check=False)
+    assert out.returncode != 0 and "podDisruptionBudget.minAvailable must be below replicas" in out.stderr
+    docs = helm.template("--set", "replicas=3", "--set", "podDisruptionBudget.minAvailable=2",
+                         "--set", "affinity.nodeAffinity.requiredDuringSchedulingIgnoredDuringExecution"
+                                  ".nodeSelectorTerms[0].matchExpressions[0].key=pool",
+                         "--set", "affinity.nodeAffinity.requiredDuringSchedulingIgnoredDuringExecution"
+                                  ".nodeSelectorTerms[0].matchExpressions[0].operator=Exists")
+    pod = by_kind(docs, "Deployment")[0]["spec"]["template"]["spec"]
+    assert list(pod["affinity"]) == ["nodeAffinity"]
+    assert by_kind(docs, "PodDisruptionBudget")[0]["spec"]["minAvailable"] == 2
+
+
+def test_without_leader_election_the_chart_runs_one_replica_and_refuses_more(helm):
+    docs = helm.template("--set", "leaderElection.enabled=false")
+    deploy = by_kind(docs, "Deployment")[0]["spec"]
+    assert (deploy["replicas"], deploy["strategy"]) == (1, {"type": "Recreate"})
+    assert operator_cli({}).parse_args(deploy["template"]["spec"]["containers"][0]["args"]
+                                       ).leader_election_namespace == ""
+    assert not by_kind(docs, "PodDisruptionBudget")
+    assert not [d for d in by_kind(docs, "Role") if d["metadata"]["name"].endswith("-leader-election")]
+    out = helm("template", "x", str(CHART), f"--kube-version={kube_version()}",
+               "--set", "leaderElection.enabled=false", "--set", "replicas=3", check=False)
+    assert out.returncode != 0 and "leaderElection.enabled" in out.stderr
+
+
+def test_an_upgrade_reusing_values_of_a_release_without_the_ha_values_renders_one_operator(helm):
+    # `helm upgrade --reuse-values` takes the old release's values, not the new chart's defaults.
+    docs = helm.template(*[a for key in ("leaderElection", "podDisruptionBudget", "readinessProbe", "replicas",
+                                         "operator.apiQps", "operator.apiBurst") for a in ("--set", f"{key}=null")])
+    deploy = by_kind(docs, "Deployment")[0]["spec"]
+    assert (deploy["replicas"], deploy["strategy"]) == (1, {"type": "Recreate"})
+    (container,) = deploy["template"]["spec"]["containers"]
+    args = operator_cli({}).parse_args(container["args"])
+    assert (args.leader_election_namespace, args.api_qps, args.api_burst) == ("", 20.0, 30)
+    assert container["readinessProbe"] == {"httpGet": {"path": "/healthz", "port": "health"}}
+    assert not by_kind(docs, "PodDisruptionBudget")
 
 
 def test_every_object_carries_the_release_labels(helm):
@@ -237,15 +290,24 @@ def test_rendered_objects_pass_server_side_dry_run(control_plane, helm, k8s_name
         control_plane.request("DELETE", f"/api/v1/namespaces/{other}")
 
 
-def operator_process(control_plane, deployment: dict, namespace: str, workdir: Path) -> subprocess.Popen:
-    """The Deployment's container, run here: its args, the chart ServiceAccount's token."""
+def operator_process(control_plane, deployment: dict, namespace: str, workdir: Path, replica: str = "operator",
+                     ports: tuple[int, int] | None = None) -> subprocess.Popen:
+    """The Deployment's container, run here: its args, the chart ServiceAccount's token.
+
+    Args:
+        ports: (metrics, liveness) for this replica, replacing the chart's (replicas on one host).
+    """
     pod = deployment["spec"]["template"]["spec"]
     token = control_plane.make_token_for_serviceaccount(namespace, pod["serviceAccountName"])
     kubeconfig = control_plane.write_kubeconfig(workdir / "chart-sa.kubeconfig", token, user="chart-sa")
     env = {**os.environ, "KUBECONFIG": str(kubeconfig),
            "PYTHONPATH": os.pathsep.join([str(REPO / "worker_image"), str(REPO / "operator")])}
-    with open(workdir / "operator.log", "wb") as log:  # the child keeps its own descriptor
-        return subprocess.Popen([sys.executable, "-m", "distflow_operator", *pod["containers"][0]["args"]],
+    args = list(pod["containers"][0]["args"])
+    if ports is not None:
+        args = [a for a in args if not a.startswith(("--metrics-port=", "--liveness-port="))]
+        args += [f"--metrics-port={ports[0]}", f"--liveness-port={ports[1]}"]
+    with open(workdir / f"{replica}.log", "wb") as log:  # the child keeps its own descriptor
+        return subprocess.Popen([sys.executable, "-m", "distflow_operator", *args],
                                 stdout=log, stderr=subprocess.STDOUT, env=env)
 
 
@@ -285,7 +347,7 @@ def test_helm_install_runs_the_operator_with_exactly_the_chart_grant(control_pla
     assert f"kubectl apply -n {ns} -f examples/rljob.yaml" in installed.stdout  # NOTES.txt: the next command
     _, deployment = control_plane.request("GET", f"/apis/apps/v1/namespaces/{ns}/deployments/{release}-distflow",
                                           expect=(200,))
-    assert deployment["status"].get("availableReplicas") == 1
+    assert deployment["status"].get("availableReplicas") == 2
     assert control_plane.kubectl("get", "crd", CRD_NAME).returncode == 0
 
     proc = operator_process(control_plane, deployment, ns, tmp_path)
@@ -341,6 +403,30 @@ def assert_refused_outside_grant(control_plane, deployment: dict, ns: str) -> No
     assert status("DELETE", f"/api/v1/nodes/{control_plane.node_names[0]}") == 403
     assert status("POST", f"/apis/apps/v1/namespaces/{ns}/deployments?dryRun=All", {}) == 403
     assert status("GET", f"/apis/scheduling.volcano.sh/v1beta1/namespaces/{ns}/podgroups/x") == 403
+    assert_leases_writable_only_for_election(control_plane, deployment, ns)
+
+
+def can(control_plane, user_ns: str, sa: str, verb: str, namespace: str, name: str = "") -> bool:
+    """The API server's SubjectAccessReview: may ServiceAccount user_ns/sa ``verb`` Lease ``name``?"""
+    review = {"apiVersion": "authorization.k8s.io/v1", "kind": "SubjectAccessReview", "spec": {
+        "user": f"system:serviceaccount:{user_ns}:{sa}",
+        "groups": ["system:serviceaccounts", f"system:serviceaccounts:{user_ns}", "system:authenticated"],
+        "resourceAttributes": {"group": "coordination.k8s.io", "resource": "leases", "verb": verb,
+                               "namespace": namespace, **({"name": name} if name else {})}}}
+    _, answer = control_plane.request("POST", "/apis/authorization.k8s.io/v1/subjectaccessreviews", review,
+                                      expect=(201,))
+    return bool(answer["status"].get("allowed"))
+
+
+def assert_leases_writable_only_for_election(control_plane, deployment: dict, ns: str) -> None:
+    sa = deployment["spec"]["template"]["spec"]["serviceAccountName"]
+    assert can(control_plane, ns, sa, "get", ns, "distflow-operator")
+    assert can(control_plane, ns, sa, "update", ns, "distflow-operator")
+    assert can(control_plane, ns, sa, "create", ns)  # RBAC cannot scope create to a name
+    assert not can(control_plane, ns, sa, "update", ns, "another-controllers-lease")
+    for other in ("kube-node-lease", "kube-system", "default"):
+        for verb, name in (("update", "distflow-operator"), ("update", "node-1"), ("create", "")):
+            assert not can(control_plane, ns, sa, verb, other, name), (verb, other, name)
 
 
 def example_pod() -> dict:
@@ -366,7 +452,63 @@ def test_cluster_wide_install_grants_every_namespace_and_the_chosen_pod_groups(c
         # Granted: the API server answers 404 (volcano is not installed). Not granted: 403.
         assert status(f"/apis/scheduling.volcano.sh/v1beta1/namespaces/{ns}/podgroups/x") == 404
         assert status(f"/apis/scheduling.x-k8s.io/v1alpha1/namespaces/{ns}/podgroups/x") == 403
+        assert not can(control_plane, ns, f"{release}-distflow", "update", "kube-node-lease", "node-1")
+        assert can(control_plane, ns, f"{release}-distflow", "update", ns, "distflow-operator")
         assert control_plane.kubectl("get", "configmap", "-n", ns, f"{release}-distflow-dashboard").returncode != 0
     finally:
         cluster_helm("uninstall", release, "-n", ns, "--wait", "--timeout=120s")
     assert release_leftovers(control_plane, release) == []
+
+
+def test_helm_upgrade_rolls_two_replicas_while_a_job_runs_and_restarts_no_job(control_plane, cluster_helm,
+                                                                             k8s_namespace, tmp_path):
+    """The rolling update the chart asks for (maxSurge 1, maxUnavailable 0), done here as the
+    Deployment controller would: a new replica ready before an old one stops, two times over."""
+    release, ns, api = f"df-{uuid.uuid4().hex[:6]}", k8s_namespace, Api(control_plane, k8s_namespace)
+    cluster_helm("install", release, str(CHART), "-n", ns, "--set", f"watchNamespaces={{{ns}}}",
+                 "--set", "leaderElection.leaseDuration=3", "--set", "operator.resyncInterval=2",
+                 "--set", "dashboards.enabled=false")
+    path = f"/apis/apps/v1/namespaces/{ns}/deployments/{release}-distflow"
+    _, old = control_plane.request("GET", path, expect=(200,))
+    replicas: list[tuple[subprocess.Popen, int]] = []
+
+    def start(deployment: dict, name: str) -> subprocess.Popen:
+        ports = (free_port(), free_port())
+        proc = operator_process(control_plane, deployment, ns, tmp_path, name, ports)
+        replicas.append((proc, ports[1]))
+        wait_for(lambda: http_get(f"http://127.0.0.1:{ports[1]}/healthz")[0] == 200, 60,
+                 what=f"replica {name} ready")
+        return proc
+
+    def lease_holder() -> str:
+        _, lease = control_plane.request("GET", f"/apis/coordination.k8s.io/v1/namespaces/{ns}/leases/"
+                                                "distflow-operator", expect=(200,))
+        return lease["spec"].get("holderIdentity") or ""
+
+    try:
+        olds = [start(old, f"old-{i}") for i in range(2)]
+        assert api.create_job(example_job("upgraded", runPolicy={"maxRestarts": 3, "backoffSeconds": 0}))[0] == 201
+        uids = sorted(p["metadata"]["uid"] for p in api.wait_running_gang("upgraded", attempt=1, num_nodes=2,
+                                                                            timeout_s=60))
+        cluster_helm("upgrade", release, str(CHART), "-n", ns, "--reuse-values", "--set", "operator.resyncInterval=3")
+        _, new = control_plane.request("GET", path, expect=(200,))
+        assert "--resync-interval=3" in new["spec"]["template"]["spec"]["containers"][0]["args"]
+        for i, proc in enumerate(olds):
+            start(new, f"new-{i}")
+            stop(proc)
+            time.sleep(4)  # more than a lease duration: a missing leader would show now
+            job = api.job("upgraded")["status"]
+            assert (job["phase"], job["attempt"], job.get("restarts", 0)) == ("Running", 1, 0), job
+            assert sorted(p["metadata"]["uid"] for p in api.pods("upgraded")) == uids
+        holder = lease_holder()
+        assert holder and str(olds[0].pid) not in holder and str(olds[1].pid) not in holder
+        # A new replica leads: a failure is handled at once, as before the upgrade.
+        control_plane.set_pod_phase(ns, "upgraded-node-1", "Failed", exit_code=1)
+        api.wait_running_gang("upgraded", attempt=2, num_nodes=2, timeout_s=30)
+        assert api.job("upgraded")["status"]["restarts"] == 1
+    finally:
+        for proc, _ in replicas:
+            stop(proc)
+        cluster_helm("uninstall", release, "-n", ns, "--wait", "--timeout=120s")
+    logs = " ".join((tmp_path / f"{n}.log").read_text(errors="replace") for n in ("old-0", "old-1", "new-0", "new-1"))
+    assert not re.search(r"\b403\b", logs), logs[-4000:]

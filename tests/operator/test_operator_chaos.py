@@ -248,7 +248,7 @@ def test_chaos_unrelated_pods_cost_the_operator_nothing(control_plane, k8s_names
     api.create_job(example_job("mine"))
     api.wait_phase("mine", "Running")
     time.sleep(3.0)
-    before = replicas.rss_mib()
+    before, received_before, started = replicas.rss_mib(), replicas.pods_received(), time.monotonic()
     pod = {"apiVersion": "v1", "kind": "Pod",
            "spec": {"schedulerName": "no-such-scheduler",  # stays Pending: no scheduler or kwok work
                     "containers": [{"name": "c", "image": "busybox"}]}}
@@ -261,6 +261,12 @@ def test_chaos_unrelated_pods_cost_the_operator_nothing(control_plane, k8s_names
     with ThreadPoolExecutor(8) as pool:
         list(pool.map(create, range(count)))
     time.sleep(5.0)  # two resyncs
-    after = replicas.rss_mib()
-    report_figure(f"{count} unrelated pods in the watched namespace: operator RSS {before:.0f} -> {after:.0f} MiB")
+    after, received = replicas.rss_mib(), replicas.pods_received() - received_before
+    elapsed = time.monotonic() - started
+    report_figure(f"{count} unrelated pods in the watched namespace: operator RSS {before:.0f} -> {after:.0f} MiB, "
+                  f"{received:.0f} pods received by watch and LIST")
     assert api.status("mine")["phase"] == "Running"
+    # Two replicas relist every 2 s, each LIST holding the 2 pods of "mine", plus a few watch events.
+    # Had the API server sent the unrelated pods, one LIST alone would hold `count` more.
+    limit = 2 * 2 * (elapsed / 2 + 2) + 10
+    assert limit < count and 0 < received <= limit, (received, elapsed)

@@ -12,7 +12,7 @@ import urllib.request
 import pytest
 import yaml
 
-from distflow.spec import load_job_spec, parse_spec
+from distflow.spec import load_job_spec, spec_from_manifest
 from distflow_operator.observed import parse_time
 from tests.controlplane.cluster import free_port
 from tests.operator._helpers import (  # noqa: F401  (fixtures)
@@ -56,7 +56,7 @@ def test_kubectl_apply_example_creates_children_and_reaches_running(control_plan
 
     config = api.get("configmaps", "grpo-tiny-config")
     assert config["metadata"]["ownerReferences"][0]["uid"] == uid
-    assert parse_spec(yaml.safe_load(config["data"]["spec.yaml"])) == load_job_spec(EXAMPLE)
+    assert spec_from_manifest(yaml.safe_load(config["data"]["spec.yaml"])) == load_job_spec(EXAMPLE)
     service = api.get("services", "grpo-tiny")
     assert service["spec"]["clusterIP"] == "None" and service["spec"]["publishNotReadyAddresses"] is True
 

@@ -116,6 +116,9 @@ CROSS_FIELD = [
     {"data": {"trainBatchSize": 3}},
     {"data": {"trainBatchSize": 4}, "actor": {"ppoMiniBatchSize": 3}},
     {"rollout": {"tensorParallelSize": 2}},
+    {"cluster": {"numNodes": 2, "procsPerNode": 2, "dataParallelReplicateDegree": 3}},
+    {"cluster": {"numNodes": 2, "procsPerNode": 2, "dataParallelShardDegree": 3}},
+    {"cluster": {"numNodes": 2, "procsPerNode": 2, "dataParallelReplicateDegree": 1, "dataParallelShardDegree": 2}},
 ]
 
 # Pass the schema, fail in the operator's checks: Failed with reason InvalidSpec.

@@ -2,7 +2,7 @@
 
 The CRDs (ray.io/v1 RayCluster, RayJob, RayService) come from KubeRay's
 ray-operator Go module at the version pinned in tests/controlplane/kuberay.env,
-fetched and cached by tests/controlplane/fetch_kuberay_crds.sh (.ci/setup runs
+fetched and cached by tests/controlplane/fetch_kuberay_crds.sh (.ci/setup --tests runs
 it); without them these tests skip, saying so. No KubeRay operator runs: this
 proves the manifest is what KubeRay's schema accepts, as `kubectl apply` would
 on a cluster with KubeRay, not that KubeRay starts it.

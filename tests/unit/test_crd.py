@@ -162,6 +162,7 @@ def test_spec_rules_cover_every_cross_field_size_check(crd):
     paths = [r.get("fieldPath") for r in spec["x-kubernetes-validations"]]
     assert paths.count(".rollout.tensorParallelSize") == 2
     assert ".data.trainBatchSize" in paths and ".actor.ppoMiniBatchSize" in paths
+    assert paths.count(".cluster.dataParallelShardDegree") == 2 and ".cluster.dataParallelReplicateDegree" in paths
     transition = [r for r in spec["x-kubernetes-validations"] if "oldSelf" in r["rule"]]
     assert len(transition) == 1 and "suspend" in transition[0]["rule"]
 

@@ -80,3 +80,70 @@ def test_operator_config_from_env_validates_numbers():
         OperatorConfig.from_env({"DISTFLOW_OPERATOR_API_WORKERS": "many"})
     with pytest.raises(ValueError, match="metrics_port=70000"):
         OperatorConfig(metrics_port=70000)
+
+
+def test_the_environment_sets_what_no_flag_gives_and_a_flag_wins(monkeypatch):
+    from distflow_operator.__main__ import _parser
+
+    monkeypatch.setenv("DISTFLOW_OPERATOR_LEADER_ELECTION_NAMESPACE", "distflow-system")
+    monkeypatch.setenv("DISTFLOW_OPERATOR_LEASE_DURATION", "20")
+    monkeypatch.setenv("DISTFLOW_OPERATOR_RESYNC_INTERVAL", "30")
+    args = _parser().parse_args([])
+    assert (args.leader_election_namespace, args.lease_duration, args.resync_interval, args.metrics_port) == (
+        "distflow-system", 20.0, 30.0, 8080)
+    args = _parser().parse_args(["--resync-interval=5", "--leader-election-namespace=ops"])
+    assert (args.leader_election_namespace, args.resync_interval) == ("ops", 5.0)
+
+
+def test_reconcile_duration_histogram_and_queue_depth(scrape):
+    metrics, value = scrape
+    for seconds in (0.004, 0.03, 0.03, 0.7, 90.0):
+        metrics.record_reconcile(failed=False, seconds=seconds)
+    assert value("distflow_operator_reconcile_duration_seconds_bucket", le="0.005") == 1
+    assert value("distflow_operator_reconcile_duration_seconds_bucket", le="0.05") == 3
+    assert value("distflow_operator_reconcile_duration_seconds_bucket", le="1.0") == 4
+    assert value("distflow_operator_reconcile_duration_seconds_bucket", le="60.0") == 4
+    assert value("distflow_operator_reconcile_duration_seconds_bucket", le="+Inf") == 5
+    assert value("distflow_operator_reconcile_duration_seconds_sum") == pytest.approx(90.764)
+    metrics.set_queue_depth(7)
+    assert value("distflow_operator_work_queue_depth") == 7
+
+
+def test_api_errors_are_counted_by_status_code(scrape):
+    metrics, value = scrape
+    for code in (409, 409, 500, 403, None):
+        metrics.record_api_error(code)
+    assert value("distflow_operator_api_errors_total", code="409") == 2
+    assert value("distflow_operator_api_errors_total", code="500") == 1
+    assert value("distflow_operator_api_errors_total", code="403") == 1
+    assert value("distflow_operator_api_errors_total", code="none") == 1
+    assert value("distflow_operator_api_errors_total", code="404") is None
+
+
+def test_pods_received_by_watch_and_list_are_counted(scrape):
+    metrics, value = scrape
+    metrics.record_pods_received(events=1)
+    metrics.record_pods_received(events=1)
+    metrics.record_pods_received(listed=16)
+    assert value("distflow_operator_pod_events_total") == 2
+    assert value("distflow_operator_pods_listed_total") == 16
+
+
+def test_only_the_leader_exports_job_series_and_says_it_leads(scrape):
+    metrics, value = scrape
+    leading = [True]
+    metrics.is_leader = lambda: leading[0]
+    metrics.record_job("a", "j1", JobSample("Running", 0, 2, 2))
+    assert value("distflow_operator_leader") == 1
+    assert value("distflow_operator_job_phase", namespace="a", job_name="j1", phase="Running") == 1
+    leading[0] = False  # the Lease went to another replica: its scrape is the one that counts
+    assert value("distflow_operator_leader") == 0
+    assert value("distflow_operator_job_phase", namespace="a", job_name="j1", phase="Running") is None
+    assert value("distflow_operator_jobs", phase="Running") == 0
+
+
+def test_a_new_leader_starts_its_job_series_from_nothing(scrape):
+    metrics, value = scrape
+    metrics.record_job("a", "deleted-while-standing-by", JobSample("Running", 0, 2, 2))
+    metrics.forget_jobs()
+    assert value("distflow_operator_jobs", phase="Running") == 0

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import asyncio
-import itertools
 import copy
+import itertools
 from dataclasses import replace
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
 import pytest
@@ -13,7 +14,7 @@ import yaml
 
 from distflow_operator.kube import ChildConflict, StatusConflict
 from distflow_operator.metrics import OperatorMetrics
-from distflow_operator.observed import pod_view
+from distflow_operator.observed import parse_time, pod_view
 from distflow_operator.podcache import PodCache
 from distflow_operator.reconcile import CONFLICT_RETRY_S, Reconciler
 
@@ -55,6 +56,9 @@ class FakeApi:
     def delete_pod(self, namespace, name, uid):
         self.calls.append(("delete", name))
         self.pods[KEY] = [p for p in self.pods[KEY] if p.uid != uid]
+
+    def force_delete_pod(self, namespace, name, uid):
+        self.calls.append(("force-delete", name))
 
     def delete_job(self, namespace, name, uid):
         self.calls.append(("delete-job", name))
@@ -186,6 +190,34 @@ def test_kicks_coalesce_and_errors_are_counted_and_retried():
     asyncio.run(scenario())
     assert len(runs) == 2
     assert (metrics._reconciles, metrics._errors) == (2, 1)
+    assert metrics._queue_depth == 0
+    assert sum(metrics._reconcile_time.counts) == 2 and 0.02 <= metrics._reconcile_time.sum < 0.5
+
+
+def test_queue_depth_counts_jobs_waiting_for_a_pass_and_each_pass_is_timed():
+    reconciler, api, doc, pods, metrics = setup()
+    other = ("ns", "other")
+    depths = []
+
+    async def slow(key):
+        depths.append(metrics._queue_depth)
+        await asyncio.sleep(0.02)
+
+    reconciler.reconcile = slow
+
+    async def scenario():
+        reconciler.kick(KEY)
+        reconciler.kick(other)
+        assert metrics._queue_depth == 2  # neither pass has started
+        await asyncio.sleep(0.005)
+        assert metrics._queue_depth == 0  # both running
+        for _ in range(5):
+            reconciler.kick(KEY)  # coalesce into one more pass of KEY
+        assert metrics._queue_depth == 1
+        await asyncio.sleep(0.1)
+    asyncio.run(scenario())
+    assert metrics._queue_depth == 0 and depths == [1, 0, 0]
+    assert sum(metrics._reconcile_time.counts) == 3 and 0.06 <= metrics._reconcile_time.sum < 0.5
 
 
 def test_a_deleted_job_is_forgotten_with_its_metric_series():
@@ -195,6 +227,93 @@ def test_a_deleted_job_is_forgotten_with_its_metric_series():
     api.jobs.clear()
     assert asyncio.run(reconciler.reconcile(KEY)) is None
     assert KEY not in metrics._jobs and reconciler.num_jobs == 0
+
+
+def test_a_job_deleted_during_a_watch_gap_is_dropped_at_the_next_resync():
+    # kopf's index keeps the job (no watch event said DELETED); the LIST at resync does not have it.
+    reconciler, api, doc, pods, metrics = setup()
+    doc["metadata"]["resourceVersion"] = "40"
+    api.list_pods = lambda namespace, selector: []
+    api.list_jobs = lambda namespace: ([], "55")
+    asyncio.run(reconciler.reconcile(KEY))
+    assert KEY in metrics._jobs
+    api.calls.clear()
+
+    async def resyncs():
+        for _ in range(3):
+            await reconciler.resync()
+            await asyncio.sleep(0.01)
+    asyncio.run(resyncs())
+    assert [c for c in api.calls if c[0] in ("create", "ensure", "status")] == []
+    assert KEY not in metrics._jobs and reconciler.num_jobs == 0
+    assert metrics._reconciles == 0  # never kicked again
+
+
+def test_a_job_newer_than_the_resync_list_is_not_taken_for_a_ghost():
+    reconciler, api, doc, pods, metrics = setup()
+    doc["metadata"]["resourceVersion"] = "60"  # created after the LIST answered at 55
+    api.list_pods = lambda namespace, selector: []
+    api.list_jobs = lambda namespace: ([], "55")
+
+    async def resync():
+        await reconciler.resync()
+        for _ in range(200):  # the kicked pass runs on the event loop and the API thread pool
+            await asyncio.sleep(0.01)
+            if ("create", "grpo-tiny-node-1", "1") in api.calls:
+                return
+    asyncio.run(resync())
+    assert KEY in metrics._jobs and ("create", "grpo-tiny-node-1", "1") in api.calls
+
+
+def _recreate(doc):
+    """The job deleted and applied again under its name: a new uid, no status."""
+    doc["metadata"]["uid"] = "job-uid-2"
+    doc.pop("status", None)
+
+
+def test_a_recreated_job_deletes_the_earlier_jobs_pods_says_why_then_creates_its_own():
+    reconciler, api, doc, pods, _ = setup()
+    asyncio.run(reconciler.reconcile(KEY))
+    _recreate(doc)
+    api.calls.clear()
+    asyncio.run(reconciler.reconcile(KEY))
+    assert (doc["status"]["phase"], doc["status"]["reason"]) == ("Pending", "StalePodsOfEarlierJob")
+    assert "grpo-tiny-node-0, grpo-tiny-node-1 belong to an earlier job of this name (uid job-uid)" in (
+        doc["status"]["message"])
+    assert [c for c in api.calls if c[0] in ("create", "delete", "event")] == [
+        ("event", "StalePodsOfEarlierJob"), ("delete", "grpo-tiny-node-0"), ("delete", "grpo-tiny-node-1")]
+    api.calls.clear()
+    asyncio.run(reconciler.reconcile(KEY))
+    assert [c for c in api.calls if c[0] == "create"] == [
+        ("create", "grpo-tiny-node-0", "1"), ("create", "grpo-tiny-node-1", "1")]
+    assert {p.owner_uid for p in pods[KEY]} == {"job-uid-2"}
+
+
+def test_an_earlier_jobs_pod_stuck_terminating_is_force_deleted_after_the_timeout():
+    reconciler, api, doc, pods, _ = setup()
+    doc["spec"]["runPolicy"]["terminatingTimeoutSeconds"] = 60
+    asyncio.run(reconciler.reconcile(KEY))
+    t0 = datetime(2026, 1, 1, tzinfo=timezone.utc)
+    pods[KEY] = [replace(p, deleting=True, deletion_time=t0) for p in pods[KEY]]  # on a NotReady node
+    _recreate(doc)
+    api.calls.clear()
+    reconciler._clock = lambda: t0 + timedelta(seconds=30)
+    assert asyncio.run(reconciler.reconcile(KEY)) == pytest.approx(30)
+    assert not [c for c in api.calls if c[0] in ("create", "delete", "force-delete")]
+    assert doc["status"]["reason"] == "StalePodsOfEarlierJob"
+    reconciler._clock = lambda: t0 + timedelta(seconds=61)
+    asyncio.run(reconciler.reconcile(KEY))
+    assert [c for c in api.calls if c[0] == "force-delete"] == [
+        ("force-delete", "grpo-tiny-node-0"), ("force-delete", "grpo-tiny-node-1")]
+
+
+def test_a_pod_with_the_jobs_name_and_no_owner_is_left_alone_and_named():
+    reconciler, api, doc, pods, _ = setup()
+    pod = _pod_obj("grpo-tiny-node-0", "u-foreign")
+    pods[KEY] = [pod_view(pod)]
+    asyncio.run(reconciler.reconcile(KEY))
+    assert doc["status"]["reason"] == "PodNamesTaken" and "grpo-tiny-node-0" in doc["status"]["message"]
+    assert [c for c in api.calls if c[0] in ("create", "delete")] == [("create", "grpo-tiny-node-1", "1")]
 
 
 def test_a_name_taken_by_a_foreign_object_is_reported_on_the_job_and_retried():
@@ -251,43 +370,76 @@ def test_relist_never_overwrites_a_newer_watch_event():
     assert cache.forget("u-a") == KEY and KEY not in cache
 
 
-@pytest.mark.parametrize(("code", "message", "grace", "passes", "delays"), [
-    (422, "spec.volumes[0].persistentVolumeClaim: Invalid", 120, 4, [0.5, 1.0, 2.0, None]),
-    # A 403 can clear by itself (quota freed, an admission plugin's discovery catching up): retried
-    # with backoff until it has lasted podErrorGraceSeconds (the fake clock moves 1 s a pass).
-    (403, "exceeded quota: pods=1", 4, 5, [0.5, 1.0, 2.0, 1.0, None]),
+@pytest.mark.parametrize(("code", "message", "grace", "tried_at", "failed_at"), [
+    # 2 s after the first refusal, then 4 s: the third try fails the job.
+    (422, "spec.volumes[0].persistentVolumeClaim: Invalid", 120, [0, 2, 6], 6),
+    # A 403 that is not a quota refusal may clear by itself (Pod Security relaxed, an admission plugin's
+    # discovery catching up): tried with backoff until it has lasted podErrorGraceSeconds.
+    (403, 'violates PodSecurity "restricted:latest"', 5, [0, 2], 5),
 ])
-def test_refused_pod_creation_is_reported_once_then_fails_the_job(code, message, grace, passes, delays):
-    from datetime import datetime, timedelta, timezone
-
+def test_refused_pod_creation_is_reported_once_retried_with_backoff_then_fails_the_job(
+        code, message, grace, tried_at, failed_at):
     from distflow_operator.kube import KubeApiError
 
     reconciler, api, doc, _, _ = setup()
     doc["spec"]["runPolicy"]["podErrorGraceSeconds"] = grace
-    ticks = itertools.count()
-    reconciler._clock = lambda: datetime(2026, 1, 1, tzinfo=timezone.utc) + timedelta(seconds=next(ticks))
+    start = datetime(2026, 1, 1, tzinfo=timezone.utc)
+    clock = [start]
+    reconciler._clock = lambda: clock[0]
+    tries = []
 
     def refuse(pod):
         api.calls.append(("create", pod["metadata"]["name"]))
+        tries.append((clock[0] - start).total_seconds())
         raise KubeApiError("POST", "/pods", code, {"reason": "Refused", "message": message})
     api.create = refuse
-
     seen = []
 
     async def passes_until_failed():
-        out = []
         while doc.get("status", {}).get("phase") != "Failed":
-            out.append(await reconciler.reconcile(KEY))
+            delay = await reconciler.reconcile(KEY)
+            # The status write's own watch event kicks the job at once: that pass must not try again.
+            kicked = await reconciler.reconcile(KEY)
             seen.append((doc["status"]["phase"], doc["status"]["reason"]))
-            assert len(out) <= passes
-        return out
-    assert asyncio.run(passes_until_failed()) == delays
-    # The pass after the first refusal says so in the status.
-    assert seen[1:-1] == [("Pending", "PodCreationRejected")] * (passes - 2)
-    assert doc["status"]["reason"] == "PodCreationRejected" and message in doc["status"]["message"]
+            if seen[-1][0] != "Failed":
+                clock[0] += timedelta(seconds=min(d for d in (delay, kicked) if d is not None))
+            assert clock[0] - start < timedelta(seconds=60)
+    asyncio.run(passes_until_failed())
+    assert sorted(set(tries)) == tried_at and len(tries) == 2 * len(tried_at)  # two ranks a try
+    assert seen[-1] == ("Failed", "PodCreationRejected") and message in doc["status"]["message"]
+    assert set(seen[:-1]) == {("Pending", "PodCreationRejected")}
+    assert (parse_time(doc["status"]["completionTime"]) - start).total_seconds() == failed_at
     # Every refusal with one message: one event for them, one for the job failing.
     assert [c for c in api.calls if c == ("event", "PodCreationRejected")] == [("event", "PodCreationRejected")] * 2
-    assert len([c for c in api.calls if c[0] == "create"]) == (passes - 1) * 2
+
+
+def test_a_pod_group_kind_the_cluster_does_not_serve_fails_the_job_with_the_fix():
+    from distflow_operator.kube import KubeApiError
+
+    reconciler, api, doc, _, _ = setup()
+    doc["spec"]["scheduling"] = {"batchScheduler": "volcano"}
+    ensure = api.ensure
+
+    def no_volcano(obj, owner):
+        if obj["kind"] == "PodGroup":  # no Volcano CRDs: the API server has no such resource
+            raise KubeApiError("POST", "/apis/scheduling.volcano.sh/v1beta1/namespaces/ns/podgroups", 404,
+                               {"reason": "NotFound", "message": "the server could not find the requested resource"})
+        return ensure(obj, owner)
+    api.ensure = no_volcano
+    clock = [datetime(2026, 1, 1, tzinfo=timezone.utc)]
+    reconciler._clock = lambda: clock[0]
+
+    async def passes():
+        for _ in range(12):  # the tries are 2 s, then 4 s apart: move the clock as the work queue would
+            delay = await reconciler.reconcile(KEY)
+            if doc["status"]["phase"] == "Failed":
+                return
+            clock[0] += timedelta(seconds=delay or 0)
+    asyncio.run(passes())
+    assert (doc["status"]["phase"], doc["status"]["reason"]) == ("Failed", "PodCreationRejected")
+    assert "spec.scheduling.batchScheduler=volcano" in doc["status"]["message"]
+    assert "404" in doc["status"]["message"]
+    assert not [c for c in api.calls if c[0] == "create"]
 
 
 def test_an_operator_started_before_it_knew_the_namespace_lists_its_pods_before_deciding():
@@ -316,3 +468,85 @@ def test_an_operator_started_before_it_knew_the_namespace_lists_its_pods_before_
     assert not [c for c in api.calls if c[0] == "create"]
     assert [c for c in api.calls if c[0] == "status" and c[1] is not None] == []  # the phase stayed Running
     assert doc["status"]["phase"] == "Running" and doc["status"]["nodes"] == "2/2"
+
+
+class CachedApi(FakeApi):
+    """Pods live in a PodCache fed by watch events, as in the operator."""
+
+    def __init__(self, cache: PodCache):
+        super().__init__({})
+        self.cache, self.objects = cache, {}
+
+    def create(self, pod):
+        self.calls.append(("create", pod["metadata"]["name"], pod["metadata"]["labels"]["distflow.io/attempt"]))
+        obj = copy.deepcopy(pod)
+        obj["metadata"]["uid"] = f"uid-{len(self.calls)}"
+        obj["status"] = {"phase": "Running", "conditions": [{"type": "Ready", "status": "True"}]}
+        self.objects[obj["metadata"]["uid"]] = obj
+        self.cache.observe("ADDED", obj)
+        return True
+
+    def delete_pod(self, namespace, name, uid):
+        self.calls.append(("delete", name))
+        if (obj := self.objects.pop(uid, None)) is not None:
+            self.cache.observe("DELETED", obj)
+
+    def remove(self, rank: int, disrupted: bool = False) -> None:
+        """Node ``rank``'s pod vanishes: evicted (DisruptionTarget) or deleted on a lost node."""
+        uid = next(u for u, o in self.objects.items() if o["metadata"]["labels"]["distflow.io/node-rank"] == str(rank))
+        obj = self.objects.pop(uid)
+        if disrupted:
+            obj["status"]["conditions"].append({"type": "DisruptionTarget", "status": "True",
+                                                "reason": "EvictionByEvictionAPI"})
+        self.cache.observe("DELETED", obj)
+
+
+def cached_setup(uid="job-uid"):
+    doc = yaml.safe_load(EXAMPLE.read_text())
+    doc["metadata"].update(namespace="ns", uid=uid, generation=1)
+    doc["spec"]["runPolicy"]["backoffSeconds"] = 0
+    api = CachedApi(PodCache())
+    api.jobs = {KEY: [doc]}
+    return Reconciler(api, api.jobs, api.cache, OperatorMetrics()), api, doc
+
+
+async def _passes(reconciler, n):
+    for _ in range(n):
+        await reconciler.reconcile(KEY)
+
+
+def test_after_an_eviction_a_later_loss_of_the_same_rank_counts_a_restart():
+    reconciler, api, doc = cached_setup()
+
+    async def scenario():
+        await _passes(reconciler, 2)
+        api.remove(0, disrupted=True)
+        await _passes(reconciler, 3)  # the uncounted restart, then attempt 2 created and running
+        assert (doc["status"]["attempt"], doc["status"]["restarts"], doc["status"]["disruptions"]) == (2, 0, 1)
+        api.remove(0)  # the same name, another pod: lost, not evicted
+        await reconciler.reconcile(KEY)
+    asyncio.run(scenario())
+    assert (doc["status"]["attempt"], doc["status"]["restarts"], doc["status"]["disruptions"]) == (3, 1, 1)
+    assert doc["status"]["reason"] == "NodeLost"
+
+
+def test_a_new_job_of_the_same_name_does_not_inherit_the_old_ones_evictions():
+    reconciler, api, doc = cached_setup()
+
+    async def scenario():
+        await _passes(reconciler, 2)
+        api.remove(0, disrupted=True)
+        await reconciler.reconcile(KEY)
+        api.jobs.clear()  # deleted; its pods go with it
+        for uid in list(api.objects):
+            api.cache.observe("DELETED", api.objects.pop(uid))
+        await reconciler.reconcile(KEY)
+        doc2 = yaml.safe_load(EXAMPLE.read_text())
+        doc2["metadata"].update(namespace="ns", uid="job-uid-2", generation=1)
+        api.jobs[KEY] = [doc2]
+        await _passes(reconciler, 2)
+        api.remove(0)
+        await reconciler.reconcile(KEY)
+        return doc2
+    doc2 = asyncio.run(scenario())
+    assert (doc2["status"]["attempt"], doc2["status"]["restarts"], doc2["status"]["disruptions"]) == (2, 1, 0)

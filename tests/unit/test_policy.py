@@ -136,11 +136,14 @@ def test_invalid_image_name_fails_fast():
                                              ("CreateContainerConfigError", "InvalidPodConfig")])
 def test_transient_pod_errors_fail_the_job_only_after_the_grace_period(waiting, reason):
     policy = {"podErrorGraceSeconds": 120}
-    young = pod(1, phase="Pending", waiting_reason=waiting, created=NOW - timedelta(seconds=30))
-    decision = decide(make_job(running(), run_policy=policy), [pod(0), young], NOW)
+
+    def first_seen(seconds):  # the grace runs from when the operator first saw the error
+        return running(status_extra={"podErrors": [
+            {"pod": "grpo-node-1", "uid": "p1-1", "reason": waiting, "since": ago(seconds)}]})
+    failing = pod(1, phase="Pending", waiting_reason=waiting, created=NOW - timedelta(hours=1))
+    decision = decide(make_job(first_seen(30), run_policy=policy), [pod(0), failing], NOW)
     assert decision.terminal is None and decision.requeue_after == 90.0
-    old = replace(young, created=NOW - timedelta(seconds=120))
-    decision = decide(make_job(running(), run_policy=policy), [pod(0), old], NOW)
+    decision = decide(make_job(first_seen(120), run_policy=policy), [pod(0), failing], NOW)
     assert decision.terminal.reason == reason and "podErrorGraceSeconds=120" in decision.terminal.message
 
 
@@ -171,7 +174,8 @@ def test_pods_stuck_terminating_are_force_deleted_after_the_timeout():
 
 
 def test_pods_refused_as_invalid_fail_the_job_on_the_third_try():
-    refused = Rejection(1, 422, "422 Invalid: spec.volumes[0]: not found", since=NOW)
+    refused = Rejection(1, 422, "422 Invalid: spec.volumes[0]: not found", since=NOW - timedelta(seconds=2),
+                        last=NOW - timedelta(seconds=2))
     decision = decide(make_job(running()), [], NOW, rejected=refused)
     assert decision.waiting[0] == "PodCreationRejected" and decision.create_ranks == (0, 1)
     assert "1 of 3 tries" in decision.waiting[1] and "spec.volumes[0]" in decision.waiting[1]
@@ -180,15 +184,17 @@ def test_pods_refused_as_invalid_fail_the_job_on_the_third_try():
 
 
 def test_pods_forbidden_are_retried_for_the_grace_period_then_fail_the_job():
-    # A 403 may clear by itself (quota freed, discovery catching up with a new CRD): tries do not count, time does.
+    # A 403 may clear by itself (a namespace's Pod Security level relaxed, discovery catching up with a new
+    # CRD): tries do not count, time does. A quota refusal never fails the job (test_policy_faults.py).
     job = make_job(running(), run_policy={"podErrorGraceSeconds": 30})
-    refused = Rejection(40, 403, "403 Forbidden: exceeded quota: pods=1", since=NOW - timedelta(seconds=20))
+    refused = Rejection(40, 403, "403 Forbidden: violates PodSecurity", since=NOW - timedelta(seconds=20),
+                        last=NOW - timedelta(seconds=60))
     decision = decide(job, [], NOW, rejected=refused)
     assert decision.terminal is None and decision.create_ranks == (0, 1)
     assert decision.waiting[0] == "PodCreationRejected" and "40 tries in 20s" in decision.waiting[1]
     assert "podErrorGraceSeconds=30" in decision.waiting[1] and decision.requeue_after == 10.0
     failed = decide(job, [], NOW, rejected=replace(refused, since=NOW - timedelta(seconds=30)))
-    assert failed.terminal.reason == "PodCreationRejected" and "exceeded quota" in failed.terminal.message
+    assert failed.terminal.reason == "PodCreationRejected" and "PodSecurity" in failed.terminal.message
 
 
 def test_eviction_and_lost_pods_restart_the_gang():

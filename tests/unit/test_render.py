@@ -8,7 +8,7 @@ import pytest
 import yaml
 
 from distflow.errors import DistflowConfigError
-from distflow.spec import load_job_spec, parse_spec
+from distflow.spec import SPEC_SCHEMA_VERSION, load_job_spec, parse_spec, spec_from_manifest
 from distflow_operator import render
 from distflow_operator.render import JobRef
 
@@ -124,14 +124,16 @@ def test_reserved_volume_names_nameless_env_and_gpu_overrides_are_rejected():
         "the operator adds it"]
 
 
-def test_config_map_holds_the_defaulted_spec_that_parses_back_equal():
+def test_config_map_holds_the_spec_without_its_defaults_and_parses_back_equal():
     spec = make_spec(rollout={"n": 3})
     cm = render.build_config_map(spec, OWNER)
     assert cm["metadata"]["name"] == "grpo-config"
     assert cm["metadata"]["ownerReferences"][0]["uid"] == "0b6c-uid"
     loaded = yaml.safe_load(cm["data"]["spec.yaml"])
-    assert loaded["rollout"]["n"] == 3 and loaded["actor"]["microBatchSize"] == 4  # defaults written out
-    assert parse_spec(loaded) == spec
+    # Defaults left to the worker image: an older image reads what it knows (the version-skew contract).
+    assert loaded["spec"]["rollout"] == {"n": 3} and "actor" not in loaded["spec"]
+    assert (loaded["kind"], loaded["schemaVersion"]) == ("RLPostTrainJob", SPEC_SCHEMA_VERSION)
+    assert spec_from_manifest(loaded) == spec
 
 
 def test_headless_service_publishes_not_ready_addresses():

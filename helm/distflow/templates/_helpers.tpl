@@ -72,9 +72,6 @@ no update anywhere, no patch on jobs, no Secrets.
 - apiGroups: [""]
   resources: [events]
   verbs: [create]
-- apiGroups: [coordination.k8s.io]
-  resources: [leases]
-  verbs: [get, create, update]
 {{- if eq .Values.batchScheduler "volcano" }}
 - apiGroups: [scheduling.volcano.sh]
   resources: [podgroups]
@@ -84,6 +81,21 @@ no update anywhere, no patch on jobs, no Secrets.
   resources: [podgroups]
   verbs: [get, create, patch]
 {{- end }}
+{{- end }}
+
+{{/*
+Leader election, in the release namespace only. Keep in step with rbac.py LEADER_ELECTION_RULES.
+RBAC cannot restrict create by name (the name is not in the request's URL), so create is granted
+for Leases of this namespace and get/update for the operator's Lease alone.
+*/}}
+{{- define "distflow.leaderElectionRules" -}}
+- apiGroups: [coordination.k8s.io]
+  resources: [leases]
+  verbs: [create]
+- apiGroups: [coordination.k8s.io]
+  resources: [leases]
+  resourceNames: [distflow-operator]
+  verbs: [get, update]
 {{- end }}
 
 {{/* What kopf needs cluster-wide to follow namespaces and CRDs when it watches them all. */}}
