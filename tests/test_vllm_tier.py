@@ -2,7 +2,7 @@
 
 vLLM's CPU build pins a torch other than the main venv's, so its tests cannot run in this
 interpreter. DISTFLOW_VLLM_PYTHON names that venv's python, else .venv/bin/python-vllm (the link
-.ci/setup makes); without either the tier is skipped, saying how to get it.
+.ci/setup --tests makes); without either the tier is skipped, saying how to get it.
 """
 
 import importlib.util
@@ -25,7 +25,7 @@ def test_vllm_tier_passes_in_its_own_venv():
     if not python and (REPO / ".venv/bin/python-vllm").exists():
         python = str(REPO / ".venv/bin/python-vllm")
     if not python:
-        pytest.skip("no vllm tier env: run `bash .ci/setup` (it links .venv/bin/python-vllm), or set "
+        pytest.skip("no vllm tier env: run `bash .ci/setup --tests` (it links .venv/bin/python-vllm), or set "
                     "DISTFLOW_VLLM_PYTHON to the python of the venv `bash .ci/setup-vllm` prints")
     if not Path(python).is_file():
         pytest.fail(f"DISTFLOW_VLLM_PYTHON={python} does not exist; rerun .ci/setup-vllm")

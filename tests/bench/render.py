@@ -316,9 +316,7 @@ def render_logprob(result: dict) -> str:
 
 def render_gpu(result: dict | None) -> str:
     if not result:
-        return ("**Not run yet.** No GPU machine was lent to the session that wrote this report. Run "
-                "`python -m tests.bench.gpu_check` on one (under 10 minutes); it writes "
-                "docs/benchmarks/gpu-<date>.json and .md, which the report then shows here.")
+        return "**Not run yet.** No GPU machine was lent to a session since the check was written."
     from tests.bench.gpu_check import markdown
 
     return markdown(result).split("\n", 1)[1].strip()  # without its title: this section has one

@@ -263,8 +263,8 @@ def _body(results: dict, name: str, fn) -> str:
 
 
 def latest_gpu_results() -> dict | None:
-    """The newest ``docs/benchmarks/gpu-<date>.json`` from a GPU (dry runs excluded), or None."""
-    runs = sorted(p for p in FIGURES_DIR.glob("gpu-*.json") if not p.stem.endswith("-dry"))
+    """The newest ``docs/benchmarks/gpu-<date>.json`` from a GPU (CPU rehearsals excluded), or None."""
+    runs = sorted(p for p in FIGURES_DIR.glob("gpu-*.json") if not p.stem.endswith("-cpu"))
     return json.loads(runs[-1].read_text()) if runs else None
 
 
@@ -290,8 +290,7 @@ def write_report(results: dict) -> str:
              notes.LOADING, _body(results, "loading", render.render_loading),
              _section_header(results, "logprob", "8. The log-prob pass: peak memory"), notes.LOGPROB,
              _body(results, "logprob", render.render_logprob),
-             "## 9. GPU\n\nCommand: `PYTHONPATH=worker_image:operator:. python -m tests.bench.gpu_check` "
-             "(prepared, under 10 minutes).\n", render.render_gpu(gpu),
+             "## 9. GPU", notes.GPU, render.render_gpu(gpu),
              notes.runtime_changes(results, tables)]
     text = "\n\n".join(p.strip("\n") for p in parts if p) + "\n"
     (DOCS_DIR / "benchmarks.md").write_text(text)

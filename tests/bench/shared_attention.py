@@ -35,8 +35,9 @@ from tests.bench._common import median, peak_rss_bytes, reset_peak_rss, rotated
 VARIANTS = ("per_sample", "dense", "flex")
 
 
-def smollm2_sized(num_layers: int = 2, device: str = "cpu", vocab_size: int = 8192):
-    """A random Llama with SmolLM2-135M's widths and ``num_layers`` layers, float32, sdpa."""
+def smollm2_sized(num_layers: int = 2, device: str = "cpu", vocab_size: int = 8192, attention: str = "sdpa"):
+    """A random Llama with SmolLM2-135M's widths and ``num_layers`` layers, float32, ``attention``
+    (a transformers attention implementation); the weights depend only on the sizes."""
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     config = LlamaConfig(vocab_size=vocab_size, hidden_size=576, intermediate_size=1536,
@@ -45,8 +46,24 @@ def smollm2_sized(num_layers: int = 2, device: str = "cpu", vocab_size: int = 81
                          bos_token_id=1, eos_token_id=2, pad_token_id=0)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa")
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation=attention)
     return model.to(device).eval()
+
+
+def eager_vs_sdpa(num_layers: int, device: str, vocab_size: int, prompt_len: int, response_len: int,
+                  n: int) -> float:
+    """Largest |log-prob difference| over the response tokens of one group, per-sample forward,
+    between transformers' eager attention and sdpa on the same weights."""
+    from distflow.engines import model_ops
+
+    mb = model_ops.collate(group_batch(prompt_len, response_len, n, vocab_size=vocab_size), 0)
+    log_probs = []
+    for attention in ("sdpa", "eager"):
+        with torch.no_grad():
+            lp, _ = model_ops.forward_log_probs(smollm2_sized(num_layers, device, vocab_size, attention), mb, 1.0,
+                                                False)
+        log_probs.append(lp.float().cpu())
+    return float((log_probs[1] - log_probs[0])[mb.response_mask.bool().cpu()].abs().max())
 
 
 def group_batch(prompt_len: int, response_len: int, n: int, seed: int = 0, vocab_size: int = 8192):

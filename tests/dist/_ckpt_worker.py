@@ -28,7 +28,8 @@ def fake_worker(width: int = 32, seed: int = 0) -> SimpleNamespace:
     optimizer.step()
     actor = SimpleNamespace(model=model, optimizer=optimizer)
     return SimpleNamespace(actor=actor, critic=None, loader=_State(epoch=0, offset=4 * seed),
-                           kl_ctrl=_State(value=0.1 * seed), rollout=SimpleNamespace(sync=lambda actor_model: None))
+                           kl_ctrl=_State(value=0.1 * seed), made_from={"model.path": "linear"},
+                           rollout=SimpleNamespace(sync=lambda actor_model: None))
 
 
 def params(worker) -> dict[str, torch.Tensor]:

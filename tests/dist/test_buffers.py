@@ -125,6 +125,22 @@ def test_every_worker_of_a_node_may_clean_up(tmp_path):
     assert not first.directory.exists() and first.directory == second.directory
 
 
+def test_a_cleanup_that_loses_the_directory_while_listing_it_is_done(tmp_path, monkeypatch):
+    """The other worker's rmdir between pathlib's is-a-directory check and its scandir: the listing
+    raises FileNotFoundError (seen in a Ray job at exit); the directory is gone, as cleanup wants."""
+    buffer = NodeBuffer(job_id="job", node_rank=0, root=tmp_path)
+    real_glob = type(buffer.directory).glob
+
+    def glob_after_the_other_worker(self, pattern):
+        buffer.directory.rmdir()
+        yield from real_glob(self, pattern)
+        raise FileNotFoundError(2, "No such file or directory", str(self))
+
+    monkeypatch.setattr(type(buffer.directory), "glob", glob_after_the_other_worker)
+    buffer.cleanup()
+    assert not buffer.directory.exists()
+
+
 def test_publish_rejects_non_bytes(node_buffer):
     with pytest.raises(ValueError, match="uint8"):
         node_buffer.publish(0, "e", 0, 1, torch.ones(4))

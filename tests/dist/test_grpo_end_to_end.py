@@ -15,7 +15,7 @@ from _jobs import initial_params, merged, run_job, tiny_job_spec
 from distflow.checkpoint import complete_checkpoints
 from distflow.launcher import launch_local
 
-pytestmark = [pytest.mark.dist, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.dist, pytest.mark.timeout(600), pytest.mark.usefixtures("device_guard")]
 
 GRPO = {"data": {"shuffle": True}, "algorithm": {"useKlLoss": True, "klLossCoef": 0.01}}
 

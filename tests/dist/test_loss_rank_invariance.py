@@ -93,39 +93,50 @@ def _step(model, update, batch) -> tuple[dict[str, torch.Tensor], dict[str, floa
     return {k: after[k] - before[k] for k in before}, metrics.reduce(torch.device("cpu"))
 
 
-def _actor_update(world, local, micro, config):
-    from distflow.engines import fsdp, model_ops
+def _fsdp_actor(world, spec, replicate=1):
+    """The tiny model sharded over ``world`` ranks, as an ``Actor`` whose optimizer is SGD(LR);
+    ``replicate`` > 1: over HSDP's 2-D mesh (``fsdp.dp_mesh``)."""
+    from distflow.engines import fsdp
     from distflow.engines.actor import Actor
-    from distflow.models import load_causal_lm, resolve_model
-    from distflow.models import model_cache_dir
+    from distflow.models import load_causal_lm, model_cache_dir, resolve_model
 
-    spec = _spec(micro, actor=config)
     model = fsdp.apply_fsdp(load_causal_lm(resolve_model("tiny", model_cache_dir())),
-                            fsdp.dp_mesh(torch.device("cpu"), world))
+                            fsdp.dp_mesh(torch.device("cpu"), world, replicate))
     actor = Actor.build(spec, model, 0, world, torch.device("cpu"))
     actor.optimizer = torch.optim.SGD(model.parameters(), lr=LR)
-    log_probs = model_ops.compute_log_probs(model, local, 0, 8, 1.0)
-    local = local.with_fields(token={"old_log_probs": log_probs + local.token_fields["old_noise"],
-                                     "ref_log_probs": log_probs + local.token_fields["ref_noise"]})
-    return _step(model, actor.update, local)
+    return actor
 
 
-def _critic_update(world, local, micro, mode):
+def _fsdp_critic(world, spec):
+    """The tiny model's backbone with a non-zero head (so the backbone gets gradients from the
+    first step), sharded over ``world`` ranks, as a ``Critic`` whose optimizer is SGD(LR)."""
     from distflow.engines import fsdp
     from distflow.engines.critic import Critic, load_value_model
-    from distflow.models import resolve_model
-    from distflow.models import model_cache_dir
+    from distflow.models import model_cache_dir, resolve_model
 
-    spec = _spec(micro, critic=mode)
     value_model = load_value_model(str(resolve_model("tiny", model_cache_dir())))
-    # A non-zero head, so the backbone gets gradients from the first step.
     torch.nn.init.normal_(value_model.value_head.weight, std=0.1, generator=torch.Generator().manual_seed(5))
     model = fsdp.apply_fsdp(value_model, fsdp.dp_mesh(torch.device("cpu"), world))
     critic = Critic.build(spec, model, 0, world, torch.device("cpu"))
     critic.optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    return critic
+
+
+def _actor_update(world, local, micro, config, replicate=1):
+    from distflow.engines import model_ops
+
+    actor = _fsdp_actor(world, _spec(micro, actor=config), replicate)
+    log_probs = model_ops.compute_log_probs(actor.model, local, 0, 8, 1.0)
+    local = local.with_fields(token={"old_log_probs": log_probs + local.token_fields["old_noise"],
+                                     "ref_log_probs": log_probs + local.token_fields["ref_noise"]})
+    return _step(actor.model, actor.update, local)
+
+
+def _critic_update(world, local, micro, mode):
+    critic = _fsdp_critic(world, _spec(micro, critic=mode))
     values = critic.compute_values(local)
     local = local.with_fields(token={"values": values + local.token_fields["value_noise"]})
-    return _step(model, critic.update, local)
+    return _step(critic.model, critic.update, local)
 
 
 def _all_updates(rank, world):
@@ -159,14 +170,20 @@ LOSS_METRICS = {"actor": ["actor/pg_loss", "actor/kl_loss", "actor/entropy", "ac
 def test_every_layout_and_micro_batch_size_takes_the_one_rank_step(updates, world):
     for (role, config, micro), (delta, metrics) in updates[world].items():
         ref_delta, ref_metrics = updates[1][(role, config, 8)]
-        where = f"{role} {config} on {world} ranks, micro-batch {micro}"
-        for name, expected in ref_delta.items():
-            # float32 sums in another order differ in the last bits; a wrong normaliser is off by >= 1/8
-            scale = float(expected.abs().max())
-            torch.testing.assert_close(delta[name], expected, rtol=1e-3, atol=1e-4 * scale,
-                                       msg=lambda m: f"{where}, {name}: {m}")
-        for key in LOSS_METRICS[role]:
-            assert metrics[key] == pytest.approx(ref_metrics[key], rel=1e-4, abs=1e-7), f"{where}: {key}"
+        _assert_same_step(role, (delta, metrics), (ref_delta, ref_metrics),
+                          f"{role} {config} on {world} ranks, micro-batch {micro}")
+
+
+def _assert_same_step(role: str, step, reference, where: str) -> None:
+    """``step`` = (parameter deltas, metrics) equals ``reference``'s up to float32 summation order."""
+    (delta, metrics), (ref_delta, ref_metrics) = step, reference
+    for name, expected in ref_delta.items():
+        # float32 sums in another order differ in the last bits; a wrong normaliser is off by >= 1/8
+        scale = float(expected.abs().max())
+        torch.testing.assert_close(delta[name], expected, rtol=1e-3, atol=1e-4 * scale,
+                                   msg=lambda m: f"{where}, {name}: {m}")
+    for key in LOSS_METRICS[role]:
+        assert metrics[key] == pytest.approx(ref_metrics[key], rel=1e-4, abs=1e-7), f"{where}: {key}"
 
 
 def test_the_reference_step_is_not_trivial(updates):

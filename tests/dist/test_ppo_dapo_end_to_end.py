@@ -19,7 +19,7 @@ import torch
 from _jobs import initial_params, run_job, tiny_job_spec
 from distflow.launcher import launch_local
 
-pytestmark = [pytest.mark.dist, pytest.mark.timeout(1800)]
+pytestmark = [pytest.mark.dist, pytest.mark.timeout(1800), pytest.mark.usefixtures("device_guard")]
 
 
 def _spec(tmp_path, name, workflow, reward="distinct_chars", **over):

@@ -19,3 +19,15 @@ def fails_on_rank_1(response: str, ground_truth: str, extra_info: dict | None = 
     if dist.get_rank() == 1:
         raise RuntimeError("reward failed on rank 1")
     return 0.0
+
+
+_calls = {"n": 0}
+
+
+def fails_in_step_2(response: str, ground_truth: str, extra_info: dict | None = None) -> float:
+    """Scores like ``distinct_chars`` for the first 4 calls of a process (step 1 of a 2-worker,
+    4 prompts x 2 samples job), then raises: a user's bug that only some responses reach."""
+    _calls["n"] += 1
+    if _calls["n"] > 4:
+        raise KeyError("answer")
+    return len(set(response)) / 10.0

@@ -28,7 +28,7 @@ pytestmark = pytest.mark.unit
 
 REPO = Path(__file__).resolve().parents[2]
 LOCKED_EXTRAS = ("runtime", "operator", "dev", "bench", "ray")
-SETUP_EXTRAS = ("runtime", "operator", "dev", "ray")  # what .ci/setup installs
+SETUP_EXTRAS = ("runtime", "operator", "dev", "ray")  # what .ci/setup-venv installs
 # .ci/setup writes this into .venv's site-packages: it marks a venv made from the lock.
 SETUP_MARKER = "_distflow_cached_venv.pth"
 

@@ -6,6 +6,7 @@ import importlib.util
 import json
 import os
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -77,7 +78,7 @@ def test_second_resolve_is_a_no_op(tiny_dir):
     before = (tiny_dir / "model.safetensors").stat().st_mtime_ns
     assert resolve_model("tiny:byte", tiny_dir.parent.parent) == tiny_dir
     assert (tiny_dir / "model.safetensors").stat().st_mtime_ns == before
-    assert [p.name for p in tiny_dir.parent.iterdir() if p.name.startswith(".")] == []  # no temp dirs left
+    assert [p.name for p in tiny_dir.parent.iterdir() if p.name.startswith(".tiny-llama-byte.tmp")] == []  # no temp dirs left
 
 
 def test_load_causal_lm_casts_to_the_requested_dtype(tiny_dir):
@@ -106,7 +107,44 @@ def test_atomic_build_tolerates_a_concurrent_writer(tmp_path):
 
     assert models._atomic_build(out, build_while_another_finishes) == out
     assert json.loads((out / "config.json").read_text()) == {"winner": True}
-    assert sorted(p.name for p in out.parent.iterdir()) == ["m"]
+    assert sorted(p.name for p in out.parent.iterdir()) == [".m.lock", "m"]  # no temporary copy left
+
+
+def test_atomic_build_replaces_a_partial_directory(tmp_path):
+    out = tmp_path / "models" / "m"
+    out.mkdir(parents=True)
+    (out / "tokenizer.json").write_text("{}")  # a writer stopped before config.json
+
+    def build(tmp):
+        tmp.mkdir()
+        (tmp / "config.json").write_text('{"rebuilt": true}')
+
+    assert models._atomic_build(out, build) == out
+    assert json.loads((out / "config.json").read_text()) == {"rebuilt": True}
+    assert sorted(p.name for p in out.iterdir()) == ["config.json"]
+
+
+def test_atomic_build_runs_one_build_for_concurrent_callers(tmp_path):
+    import multiprocessing
+
+    out = tmp_path / "models" / "m"
+    ctx = multiprocessing.get_context("spawn")
+    with ctx.Pool(4) as pool:
+        results = pool.starmap(_build_slowly, [(str(out), str(tmp_path / f"built-{i}")) for i in range(4)])
+    assert results == [str(out)] * 4
+    assert len(list(tmp_path.glob("built-*"))) == 1  # one caller built, the others found it complete
+    assert (out / "config.json").read_text() == "{}"
+
+
+def _build_slowly(out: str, marker: str) -> str:
+    def build(tmp):
+        Path(marker).touch()
+        tmp.mkdir()
+        (tmp / "tokenizer.json").write_text("{}")
+        time.sleep(0.5)
+        (tmp / "config.json").write_text("{}")
+
+    return str(models._atomic_build(Path(out), build))
 
 
 def test_resolve_model_errors_name_the_accepted_forms(tmp_path):
@@ -164,4 +202,4 @@ def test_smollm2_gguf_converts_to_a_model_that_answers(tmp_path):
         generated = model.generate(**prompt, max_new_tokens=24, do_sample=False)
     answer = tokenizer.decode(generated[0, prompt["input_ids"].shape[1]:], skip_special_tokens=True)
     assert "5" in answer, answer
-    assert os.listdir(out.parent) == [out.name]
+    assert sorted(os.listdir(out.parent)) == [f".{out.name}.lock", out.name]  # no temporary copy left

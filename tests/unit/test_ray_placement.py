@@ -125,7 +125,8 @@ def test_a_dead_gcs_address_is_reported_at_once_not_retried(tmp_path, monkeypatc
     # auto: RAY_ADDRESS, else the address file a killed `ray start` left behind
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     monkeypatch.setenv("RAY_TMPDIR", str(tmp_path))
-    assert gcs_unreachable("auto") is None  # no file: Ray's own "no running instance" error
+    # no file: distflow's own words, not Ray's text about an --address flag
+    assert "no Ray cluster was started on this machine" in gcs_unreachable("auto")
     (tmp_path / "ray").mkdir()
     (tmp_path / "ray" / "ray_current_cluster").write_text(f"127.0.0.1:{port}\n")
     assert "nothing answers" in gcs_unreachable("auto", timeout_s=2)
@@ -133,3 +134,50 @@ def test_a_dead_gcs_address_is_reported_at_once_not_retried(tmp_path, monkeypatc
     assert "nothing answers" in gcs_unreachable("auto", timeout_s=2)
     for not_checked in ("ray://127.0.0.1:1", "not-a-host", "host:port"):
         assert gcs_unreachable(not_checked) is None
+
+
+@pytest.mark.parametrize("cluster, ray, setting", [
+    ({"device": "cuda"}, {"gpusPerWorker": 0.5}, "spec.ray.gpusPerWorker: 0.5 GPUs per worker: "),
+    ({"device": "auto"}, {"gpusPerWorker": 0.25}, "spec.ray.gpusPerWorker: 0.25 GPUs per worker: "),
+    ({"device": "cuda", "acceleratorsPerNode": 1}, {},
+     "spec.cluster.acceleratorsPerNode: 1 GPUs for procsPerNode=2 workers give each 0.5 "),
+    ({"device": "cuda", "acceleratorsPerNode": 3}, {},
+     "spec.cluster.acceleratorsPerNode: 3 GPUs for procsPerNode=2 workers give each 1.5 "),
+])
+def test_a_fraction_of_a_gpu_per_worker_is_refused_naming_the_setting(cluster, ray, setting):
+    with pytest.raises(DistflowConfigError) as err:
+        worker_resources(_spec(cluster=cluster, ray=ray))
+    message = str(err.value)
+    assert setting in message and "each worker needs whole GPUs of its own" in message
+    assert "ray.gpusPerWorker: 1, or cluster.acceleratorsPerNode: 2" in str(err.value)
+
+
+def test_whole_gpus_per_worker_and_cpu_jobs_are_accepted():
+    assert worker_resources(_spec(cluster={"device": "cuda"}, ray={"gpusPerWorker": 2})).num_gpus == 2.0
+    assert worker_resources(_spec(cluster={"device": "cuda", "acceleratorsPerNode": 4})).num_gpus == 2.0
+    # a CPU job's workers never touch the GPUs it reserves, so sharing one harms nothing
+    assert worker_resources(_spec(ray={"gpusPerWorker": 0.5})).num_gpus == 0.5
+
+
+def test_ray_auto_without_a_cluster_fails_with_distflows_message(tmp_path, monkeypatch):
+    from distflow.errors import LaunchError
+    from distflow.ray_launcher import launch_ray
+
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.setenv("RAY_TMPDIR", str(tmp_path))
+    with pytest.raises(LaunchError) as err:
+        launch_ray(_spec(), "job", "auto")
+    assert str(err.value).startswith("no Ray cluster at 'auto': no Ray cluster was started on this machine")
+    assert "ray start --head" in str(err.value) and "--address" not in str(err.value)
+
+
+def test_a_user_function_raising_in_an_actor_fails_the_job_with_its_own_message():
+    from types import SimpleNamespace
+
+    from distflow.errors import UserFunctionError
+    from distflow.ray_launcher import user_function_failure
+
+    raised = UserFunctionError("data.rewardFn 'r.py:score' raised KeyError: 'x' at step 2 on sample train-3")
+    lost, failed = SimpleNamespace(cause=None), SimpleNamespace(cause=raised)
+    assert str(user_function_failure([(0, lost), (1, failed)])) == str(raised)
+    assert user_function_failure([(0, lost), (1, SimpleNamespace(cause=RuntimeError("peer gone")))]) is None

@@ -68,3 +68,33 @@ def test_token_budget_takes_the_same_step_as_fixed_count_micro_batches():
         torch.testing.assert_close(budget_params[name], param, rtol=0, atol=1e-12)
     for key in ("actor/pg_loss", "actor/entropy", "actor/grad_norm"):
         assert budget_metrics[key] == pytest.approx(fixed_metrics[key], rel=1e-12), key
+
+
+def test_a_rank_with_fewer_chunks_cuts_its_largest_finer_then_pads():
+    batch = make_batch([2, 2, 2, 2], [6, 6, 7, 7])  # lengths 8 8 9 9
+    chunks = model_ops.split_micro_batches(batch, 8, max_tokens=20)
+    assert [c.seq_lens.tolist() for c in chunks] == [[8, 8], [9, 9]]
+    # [9, 9] pads to 2 x 9 = 18 tokens, [8, 8] to 16: the larger is halved first.
+    lens = lambda count: [c.seq_lens.tolist() for c in model_ops.fill_micro_batches(batch, chunks, count)]  # noqa: E731
+    assert lens(3) == [[8, 8], [9], [9]]
+    assert lens(6) == [[8], [8], [9], [9], [], []]
+    with pytest.raises(ValueError, match="cannot make 2 micro-batches into 1"):
+        model_ops.fill_micro_batches(batch, chunks, 1)
+
+
+def test_an_empty_micro_batch_is_a_two_pad_token_forward_that_trains_nothing():
+    mb = model_ops.collate(make_batch([2], [3]).select([]), pad_token_id=0)
+    assert mb.input_ids.tolist() == [[0, 0]] and mb.position_ids.tolist() == [[0, 1]]
+    assert mb.response_mask.tolist() == [[0.0]]
+
+
+def test_each_micro_batch_comes_with_its_metadata_copied_to_the_host():
+    batch = make_batch([2, 3, 2, 4], [6, 5, 7, 3])  # lengths 8 8 9 7
+    pairs = model_ops.dp_micro_batches(batch, 8, max_tokens=20, share_prompt_prefix=True)
+    assert [chunk.seq_lens.tolist() for chunk, _ in pairs] == [[8, 8], [9, 7]]
+    for chunk, host in pairs:
+        assert torch.equal(host.seq_lens, chunk.seq_lens)
+        assert torch.equal(host.token_fields["input_ids"], chunk.token_fields["input_ids"])
+        for name in ("prompt_len", "response_len"):
+            assert torch.equal(host.sample_fields[name], chunk.sample_fields[name])
+    assert "input_ids" not in model_ops.dp_micro_batches(batch, 8)[0][1].token_fields

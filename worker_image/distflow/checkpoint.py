@@ -5,7 +5,8 @@ Layout under ``checkpoint.dir`` (a local path, e.g. a PVC, or an fsspec URL such
     step_00000012/           complete checkpoint: its manifest.json lists every file
         .metadata, *.distcp  torch.distributed.checkpoint shards (actor, and critic if any: model + optimizer)
         rank_00000.pt        per-rank RNG state
-        trainer.json         step, dataloader state (global), world size, in-reward KL coefficient
+        trainer.json         step, dataloader state (global), world size, in-reward KL coefficient, and what
+                             it was made from (distflow.checkpoint_origin: compared before a resume)
         manifest.json        written last: size and sha256 of each file above
     step_00000016.tmp/       being written (local storage); ignored by resume, removed by the next save
 
@@ -236,7 +237,7 @@ def _commit(store: _Store, work: str, final: str, step: int, worker, keep_last: 
     """Rank 0: trainer.json, the manifest (last), the rename, then pruning. Returns an error message or None."""
     try:
         meta = {"step": step, "loader": worker.loader.state_dict(), "world_size": dist.get_world_size(),
-                "kl_ctrl": worker.kl_ctrl.state_dict()}
+                "kl_ctrl": worker.kl_ctrl.state_dict(), "made_from": worker.made_from}
         store.write_bytes(f"{work}/trainer.json", json.dumps(meta).encode())
         manifest = _build_manifest(store, work, step)
         store.write_bytes(f"{work}/{MANIFEST}", json.dumps(manifest, indent=1).encode())
@@ -297,6 +298,17 @@ def _choose(store: _Store) -> str | None:
             return name
         print(f"distflow: skipping checkpoint {store.location(name)}: {reason}; trying the previous one",
               flush=True)
+    return None
+
+
+def newest_trainer_state(root: str | os.PathLike) -> tuple[str, dict] | None:
+    """(location, trainer.json) of the newest complete checkpoint (sizes checked, not checksums);
+    None when there is none."""
+    store = _Store(root)
+    for name in sorted((n for n in store.step_dirs() if not n.endswith(".tmp")), reverse=True):
+        if verify(store, name, checksums=False) is None:
+            with store.fs.open(store.path(name, "trainer.json"), "rb") as f:
+                return store.location(name), json.loads(f.read())
     return None
 
 

@@ -5,9 +5,11 @@
     distflow plan CONFIG                                        print the plan every worker runs
     distflow validate CONFIG                                    check a config or RLPostTrainJob
     distflow model convert [SOURCE]                             GGUF -> safetensors, once, cached
-    distflow node --config PATH                                 what a pod runs (env launcher)
+    distflow node --config PATH                                 what a pod runs (env launcher; fields
+                                                                this image does not know: a warning)
 
-Exit codes: 0 done, 1 training failed, 2 invalid config (nothing started).
+Exit codes: 0 done, 1 training failed, 2 invalid config (nothing started) or a user function
+that raised (retrying cannot help: the operator fails the job at once).
 """
 
 from __future__ import annotations
@@ -18,9 +20,9 @@ import sys
 import traceback
 from pathlib import Path
 
-from distflow.errors import DistflowConfigError, LaunchError
+from distflow.errors import DistflowConfigError, LaunchError, UserFunctionError
 from distflow.launcher import EXIT_FAILED, EXIT_INVALID_CONFIG, EXIT_OK
-from distflow.spec import JobSpec, load_job_spec
+from distflow.spec import JobSpec, load_job_spec, load_rendered_spec
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -83,10 +85,17 @@ def cmd_plan(args) -> int:
 
 
 def cmd_validate(args) -> int:
-    from distflow.launcher import preflight
+    from fsspec.utils import get_protocol
+
+    from distflow.checkpoint_origin import check_resume
+    from distflow.preflight import preflight
 
     spec = _load(args)
     preflight(spec)
+    if spec.checkpoint.dir and get_protocol(spec.checkpoint.dir) == "file":  # an object store is not probed here
+        # What `distflow run` refuses at its start: a checkpoint made from another model or workflow
+        # (the model's shape is compared there, once the model is resolved).
+        check_resume(spec, None)
     print(f"{args.config}: valid ({spec.world_size} workers, workflow "
           f"{spec.workflow.name if not spec.workflow.nodes else 'custom'})")
     return EXIT_OK
@@ -95,7 +104,9 @@ def cmd_validate(args) -> int:
 def cmd_node(args) -> int:
     from distflow.launcher import job_name_for, launch_node
 
-    spec = load_job_spec(args.config)
+    spec, warnings = load_rendered_spec(args.config)
+    for warning in warnings:
+        print(f"distflow: warning: {warning}", file=sys.stderr)
     launch_node(spec, job_name_for(args.config))
     return EXIT_OK
 
@@ -139,8 +150,15 @@ def main(argv: list[str] | None = None) -> int:
         if in_pod:
             _termination_message(f"InvalidConfig: {err}")
         return EXIT_INVALID_CONFIG
+    except UserFunctionError as err:
+        print(f"distflow: {err}", file=sys.stderr)
+        if in_pod:
+            _termination_message(f"UserFunctionError: {err}")
+        return EXIT_INVALID_CONFIG
     except LaunchError as err:  # the message says what failed where; the driver's traceback adds nothing
         print(f"distflow: {err}", file=sys.stderr)
+        if in_pod:
+            _termination_message(f"Failed: {err}")
         return EXIT_FAILED
     except KeyboardInterrupt:
         return EXIT_FAILED

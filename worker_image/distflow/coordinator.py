@@ -186,9 +186,8 @@ class DataCoordinator:
 
 
 def _to_device(batch: PackedBatch, device: torch.device) -> PackedBatch:
-    """The same batch with every field on ``device`` (no copy when already there)."""
-    if batch.device == device:
-        return batch
+    """The same batch with every field on ``device``: each field moved, not the batch's device
+    compared, so none is left behind (``Tensor.to`` copies nothing for a field already there)."""
     return PackedBatch(seq_lens=batch.seq_lens,
                        token_fields={k: v.to(device) for k, v in batch.token_fields.items()},
                        sample_fields={k: v.to(device) for k, v in batch.sample_fields.items()})

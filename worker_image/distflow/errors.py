@@ -18,3 +18,10 @@ class DistflowConfigError(ValueError):
 class LaunchError(RuntimeError):
     """A launcher could not run the job to the end: a cluster it cannot reach, resources it
     cannot get in time, or a worker lost or failed. The message says which and why."""
+
+
+class UserFunctionError(RuntimeError):
+    """A user's function (``data.rewardFn``, a custom workflow node's ``function``) raised while
+    the job ran. The message names the function, the sample or node and the step. Retrying
+    cannot help (the same input raises again): the job fails with it, like an invalid config,
+    and the last complete checkpoint is left as it was."""

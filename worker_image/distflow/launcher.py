@@ -17,7 +17,10 @@ import socket
 from dataclasses import replace
 from pathlib import Path
 
-from distflow.errors import DistflowConfigError
+from distflow.checkpoint_origin import check_resume
+from distflow.errors import DistflowConfigError, UserFunctionError
+from distflow.preflight import preflight
+from distflow.progress import StepLinePrinter, progress_printer
 from distflow.spec import JobSpec
 
 EXIT_OK = 0
@@ -62,42 +65,24 @@ def check_rollout_engine(spec: JobSpec, model_dir: str) -> None:
         raise DistflowConfigError("\n".join(f"spec.{p}" for p in problems))
 
 
-BUILTIN_TASKS = ("arithmetic",)
-
-
-def preflight(spec: JobSpec) -> None:
-    """Everything that can be checked before a worker starts: the plan, the model source, the
-    data files and the reward function (a user function is imported).
+def spawn_workers(main, args: tuple, num_workers: int) -> None:
+    """Start ``num_workers`` processes running ``main(index, *args)`` and wait for them all.
 
     Raises:
-        DistflowConfigError: an invalid workflow, a data file that does not exist or has an
-            unknown extension, or a reward function that cannot be loaded.
+        UserFunctionError: a worker's user function raised: its message, which names the function,
+            the sample and the step, without the spawn machinery's traceback.
+        torch.multiprocessing.ProcessRaisedException: any other worker failure (the others are stopped).
     """
-    from distflow.data.sources import DATA_SUFFIXES
-    from distflow.models import model_source_problem
-    from distflow.planner import build_plan
+    import torch.multiprocessing as mp
 
-    build_plan(spec)
-    if problem := model_source_problem(spec.model.path):
-        raise DistflowConfigError(f"spec.{problem}")
-    for name, ds in (("train", spec.data.train), ("eval", spec.data.eval)):
-        if ds is None or ds.arithmetic_split is not None:
-            continue
-        if not Path(ds.path).is_file():
-            raise DistflowConfigError(
-                f"spec.data.{name}.path: no such file {ds.path!r}; give an existing .jsonl or .parquet "
-                f"file (e.g. --set data.{name}.path=PATH) or a built-in task: {', '.join(BUILTIN_TASKS)}")
-        if Path(ds.path).suffix.lower() not in DATA_SUFFIXES:
-            raise DistflowConfigError(
-                f"spec.data.{name}.path: {ds.path!r} is not a .jsonl, .json or .parquet file; "
-                "convert it (one JSON object per line, or parquet)")
-    if spec.data.reward_fn is not None:
-        from distflow.rewards import load_reward_fn
-
-        try:
-            load_reward_fn(spec.data.reward_fn)  # imports a user function: fails here, not in every worker
-        except ValueError as err:
-            raise DistflowConfigError(f"spec.data.rewardFn: {err}") from None
+    try:
+        mp.spawn(main, args=args, nprocs=num_workers, join=True)
+    except mp.ProcessRaisedException as err:
+        marker = f"{UserFunctionError.__module__}.{UserFunctionError.__qualname__}: "
+        text = str(err)
+        if marker not in text:
+            raise
+        raise UserFunctionError(text[text.rindex(marker) + len(marker):].strip()) from None
 
 
 def _die_with_parent() -> None:
@@ -166,7 +151,7 @@ def _local_worker_main(index: int, spec: JobSpec, base, with_progress: bool):
 
     _die_with_parent()
     env = local_worker_env(index, spec.cluster.procs_per_node, base)
-    progress = ProgressPrinter(spec.trainer.total_steps) if with_progress and index == 0 else None
+    progress = progress_printer(spec.trainer.total_steps) if with_progress and index == 0 else None
     run_worker(spec, env, progress)
 
 
@@ -174,12 +159,13 @@ def launch_local(spec: JobSpec, job_name: str, resume: bool = True, progress: bo
     """Run the whole job on this machine (blocks until every worker exits).
 
     Raises:
-        DistflowConfigError: before any worker starts, if the model cannot be resolved or
-            ``cluster.device`` needs more GPUs than the machine has (``check_local_devices``).
-        torch.multiprocessing.ProcessRaisedException: a worker failed (the others are stopped).
+        DistflowConfigError: before any worker starts, if the model cannot be resolved,
+            ``cluster.device`` needs more GPUs than the machine has (``check_local_devices``), or
+            the checkpoint to resume was made from another model or workflow (``check_resume``).
+        UserFunctionError: a user's function raised in a worker (the others are stopped).
+        torch.multiprocessing.ProcessRaisedException: a worker failed otherwise (the others are stopped).
     """
     import torch
-    import torch.multiprocessing as mp
 
     from distflow.worker import WorkerEnv
 
@@ -189,13 +175,15 @@ def launch_local(spec: JobSpec, job_name: str, resume: bool = True, progress: bo
     check_rollout_engine(spec, model_dir)
     if not resume or spec.checkpoint.resume == "never":
         set_aside_previous_run(spec)
+    else:
+        check_resume(spec, model_dir)
     cluster = spec.cluster
     # Every worker shares this machine: local_world_size counts them all (CPU threads per worker).
     base = WorkerEnv(rank=0, world_size=spec.world_size, local_rank=0,
                      local_world_size=spec.world_size, node_rank=0, num_nodes=cluster.num_nodes,
                      master_addr="127.0.0.1", master_port=free_port(), job_name=job_name,
                      model_dir=model_dir, device_index=0, resume=resume, metrics_port=spec.trainer.metrics_port)
-    mp.spawn(_local_worker_main, args=(spec, base, progress), nprocs=spec.world_size, join=True)
+    spawn_workers(_local_worker_main, (spec, base, progress), spec.world_size)
 
 
 def set_aside_previous_run(spec: JobSpec) -> list[Path]:
@@ -258,10 +246,11 @@ def launch_node(spec: JobSpec, job_name: str, environ=os.environ) -> None:
 
     Raises:
         DistflowConfigError: env and spec disagree (numNodes, procsPerNode), the pod
-            has fewer GPUs than workers, or the model cannot be resolved.
+            has fewer GPUs than workers, the model cannot be resolved, or the checkpoint to
+            resume was made from another model or workflow.
+        UserFunctionError: a user's function raised in one of this node's workers.
     """
     import torch
-    import torch.multiprocessing as mp
 
     from distflow.worker import WorkerEnv
 
@@ -277,12 +266,13 @@ def launch_node(spec: JobSpec, job_name: str, environ=os.environ) -> None:
     check_node_devices(spec, torch.cuda.device_count() if torch.cuda.is_available() else 0)
     model_dir = resolve_model_dir(spec)
     check_rollout_engine(spec, model_dir)
+    check_resume(spec, model_dir)
     port = int(environ.get("DISTFLOW_METRICS_PORT", spec.trainer.metrics_port or 0))
     base = WorkerEnv(rank=node_rank * nproc, world_size=nnodes * nproc, local_rank=0,
                      local_world_size=nproc, node_rank=node_rank, num_nodes=nnodes,
                      master_addr=str(env["MASTER_ADDR"]), master_port=int(env["MASTER_PORT"]),
                      job_name=job_name, model_dir=model_dir, device_index=0, metrics_port=0)
-    mp.spawn(_node_worker_main, args=(spec, base, nproc, port), nprocs=nproc, join=True)
+    spawn_workers(_node_worker_main, (spec, base, nproc, port), nproc)
 
 
 def _node_worker_main(local_rank: int, spec: JobSpec, base, nproc: int, port: int):
@@ -291,45 +281,9 @@ def _node_worker_main(local_rank: int, spec: JobSpec, base, nproc: int, port: in
     # Only the node's first worker serves metrics, on the pod's port.
     env = replace(base, rank=base.rank + local_rank, local_rank=local_rank, device_index=local_rank,
                   metrics_port=port if local_rank == 0 else 0)
-    run_worker(spec, env, None)
-
-
-class ProgressPrinter:
-    """Rank 0's rich progress bar: "step 12/30", the bar, elapsed time and the headline metrics.
-
-    The worker calls ``printer(step, metrics)`` once with the step it starts
-    from and no metrics (a resumed run's checkpoint step, else 0), then after
-    every step. The bar appears on that first call, so a resumed run starts
-    at its checkpoint step rather than at 0.
-    """
-
-    def __init__(self, total_steps: int, console=None):
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-        self.total_steps = total_steps
-        self.bar = Progress(TextColumn("[bold]step"), MofNCompleteColumn(), BarColumn(), TimeElapsedColumn(),
-                            TextColumn("{task.fields[info]}"), console=console)
-        self.task = None
-
-    def __call__(self, step: int, metrics: dict[str, float]) -> None:
-        info = _progress_info(metrics) if metrics else ""
-        if self.task is None:
-            self.task = self.bar.add_task("train", total=self.total_steps, completed=step, info=info)
-            self.bar.start()
-        else:
-            self.bar.update(self.task, completed=step, info=info)
-        if step >= self.total_steps:
-            self.bar.stop()
-
-
-def _progress_info(metrics: dict[str, float]) -> str:
-    """The bar's headline: mean reward, tokens/s, step time (seconds) and the eval score if any."""
-    info = (f"reward {metrics.get('critic/score/mean', float('nan')):.3f}  "
-            f"tok/s {metrics.get('perf/throughput', 0):.0f}  "
-            f"step {metrics.get('timing_s/step', 0):.1f}s")
-    if "eval/score" in metrics:
-        info += f"  eval {metrics['eval/score']:.3f}"
-    return info
+    # Every rank holds the step's reduced metrics: each pod's first worker prints them, so
+    # `kubectl logs` of any node pod shows the run's progress.
+    run_worker(spec, env, StepLinePrinter(spec.trainer.total_steps) if local_rank == 0 else None)
 
 
 def job_name_for(config_path: str | Path) -> str:

@@ -84,6 +84,48 @@ class StepMetrics:
         return out
 
 
+class DeviceMetrics:
+    """Per-micro-batch metrics kept as tensors on their device until ``flush``.
+
+    ``float(v)`` on a CUDA tensor waits for the GPU to drain; a micro-batch loop
+    that converts each statistic stalls the GPU several times per micro-batch.
+    Here sums, weighted means and maxima accumulate on the device, and ``flush``
+    moves them all to the host in one transfer.
+    """
+
+    def __init__(self) -> None:
+        self._values: dict[tuple[str, str], torch.Tensor] = {}
+
+    def _add(self, kind: str, name: str, value: torch.Tensor, combine) -> None:
+        key = (kind, name)
+        value = value.detach().double()
+        self._values[key] = value if key not in self._values else combine(self._values[key], value)
+
+    def add_sum(self, name: str, value: torch.Tensor) -> None:
+        self._add("sum", name, value, torch.add)
+
+    def add_mean(self, name: str, total: torch.Tensor, count: torch.Tensor) -> None:
+        self._add("total", name, total, torch.add)
+        self._add("count", name, count, torch.add)
+
+    def add_max(self, name: str, value: torch.Tensor) -> None:
+        self._add("max", name, value, torch.maximum)
+
+    def flush(self, metrics: StepMetrics, scale: float = 1.0) -> None:
+        """Add everything to ``metrics`` (sums times ``scale``) with one device->host copy; empties."""
+        if not self._values:
+            return
+        host = dict(zip(self._values, torch.stack(list(self._values.values())).tolist()))
+        self._values.clear()
+        for (kind, name), value in host.items():
+            if kind == "sum":
+                metrics.add_sum(name, value * scale)
+            elif kind == "max":
+                metrics.add_max(name, value)
+            elif kind == "total":
+                metrics.add_mean(name, value, host[("count", name)])
+
+
 class JsonlWriter:
     """Appends one JSON object per step to ``<log_dir>/metrics.jsonl`` (rank 0 only)."""
 

@@ -25,6 +25,7 @@ the saved directory loads as a plain model.
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import importlib.util
 import os
@@ -51,20 +52,32 @@ _HUB_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "*.txt", "*.model", "toke
 
 
 def _atomic_build(out_dir: Path, build: Callable[[Path], None]) -> Path:
-    """Run ``build(tmp)`` and rename ``tmp`` to ``out_dir``; no-op if ``out_dir`` is complete."""
+    """Run ``build(tmp)`` and rename ``tmp`` to ``out_dir``; no-op if ``out_dir`` is complete.
+
+    Complete means it holds ``config.json``. Builders of one ``out_dir`` take turns on a
+    lock file beside it (ranks of a job, test processes sharing a cache), and a directory
+    without ``config.json`` (a writer killed mid-way, or one that raced a writer outside
+    the lock) is removed and built again rather than served or left to fail every later
+    rename with "Directory not empty".
+    """
     if (out_dir / "config.json").is_file():
         return out_dir
     out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out_dir.parent / f".{out_dir.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    try:
-        build(tmp)
-        os.rename(tmp, out_dir)
-    except OSError:
-        # Another worker renamed its copy first: theirs is as good as ours.
-        if not (out_dir / "config.json").is_file():
-            raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+    with open(out_dir.parent / f".{out_dir.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if (out_dir / "config.json").is_file():
+            return out_dir
+        shutil.rmtree(out_dir, ignore_errors=True)
+        tmp = out_dir.parent / f".{out_dir.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        try:
+            build(tmp)
+            os.rename(tmp, out_dir)
+        except OSError:
+            # A writer that does not take the lock renamed its copy first: theirs is as good as ours.
+            if not (out_dir / "config.json").is_file():
+                raise
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
     return out_dir
 
 

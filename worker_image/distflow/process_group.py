@@ -77,6 +77,17 @@ class CollectiveBytes:
         self.reduce_scatter = 0
 
 
+def max_over_ranks(value: int) -> int:
+    """The largest ``value`` of any rank of the world group (an all-reduce MAX of a CPU
+    tensor, which gloo serves on CPU and CUDA runs alike: no device sync); ``value``
+    itself without a group of two or more."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return value
+    buf = torch.tensor([value], dtype=torch.int64)
+    dist.all_reduce(buf, op=dist.ReduceOp.MAX)
+    return int(buf)
+
+
 _COUNTER: CollectiveBytes | None = None
 # torch.distributed's names for the two collectives across versions (FSDP2 calls them through
 # the module attribute, so the wrapper sees every call; each alias calls distributed_c10d's

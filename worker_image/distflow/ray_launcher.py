@@ -41,7 +41,7 @@ import time
 from pathlib import Path
 from dataclasses import dataclass
 
-from distflow.errors import DistflowConfigError, LaunchError
+from distflow.errors import DistflowConfigError, LaunchError, UserFunctionError
 from distflow.spec import JobSpec
 
 FAILURE_GRACE_SECONDS = 3.0
@@ -71,7 +71,9 @@ def worker_resources(spec: JobSpec) -> RayResources:
     """One worker's Ray resources from ``spec.ray`` and ``spec.cluster``.
 
     Raises:
-        DistflowConfigError: ``cluster.device: cuda`` with no GPU per worker.
+        DistflowConfigError: ``cluster.device: cuda`` with no GPU per worker, or a GPU job (cuda or
+            auto) whose workers would get a fraction of a GPU: Ray would then put two ranks on one
+            GPU, where NCCL cannot run two ranks of one group and the ranks share its memory.
     """
     cluster, ray_spec = spec.cluster, spec.ray
     gpus = ray_spec.gpus_per_worker
@@ -83,7 +85,22 @@ def worker_resources(spec: JobSpec) -> RayResources:
     if cluster.device == "cuda" and gpus == 0:
         raise DistflowConfigError("spec.ray.gpusPerWorker: 0 GPUs per worker but cluster.device is cuda; "
                                   "give each worker a GPU (gpusPerWorker: 1) or use device cpu")
+    if cluster.device != "cpu" and gpus != int(gpus):
+        raise DistflowConfigError(_fractional_gpus_message(spec, gpus))
     return RayResources(num_cpus=ray_spec.cpus_per_worker, num_gpus=gpus, custom=dict(ray_spec.resources))
+
+
+def _fractional_gpus_message(spec: JobSpec, gpus: float) -> str:
+    cluster = spec.cluster
+    if spec.ray.gpus_per_worker is not None:
+        setting = f"spec.ray.gpusPerWorker: {gpus:g} GPUs per worker"
+    else:
+        setting = (f"spec.cluster.acceleratorsPerNode: {cluster.accelerators_per_node} GPUs for procsPerNode="
+                   f"{cluster.procs_per_node} workers give each {gpus:g} (the default of ray.gpusPerWorker)")
+    return (f"{setting}: each worker needs whole GPUs of its own, since a fraction lets Ray place two ranks on "
+            f"one GPU (NCCL cannot run two ranks of a group on one device). Give each worker 1 GPU "
+            f"(ray.gpusPerWorker: 1, or cluster.acceleratorsPerNode: {cluster.procs_per_node}), or use "
+            "cluster.device: cpu")
 
 
 def placement_shortfall(bundle: dict[str, float], num_nodes: int, nodes: list[dict],
@@ -219,7 +236,9 @@ def launch_ray(spec: JobSpec, job_name: str, address: str, resume: bool = True, 
             failed or its actor or Ray node was lost (the message carries the worker's error).
             Every actor and the placement group are released before it is raised.
     """
-    from distflow.launcher import preflight, set_aside_previous_run
+    from distflow.checkpoint_origin import check_resume
+    from distflow.launcher import set_aside_previous_run
+    from distflow.preflight import preflight
 
     preflight(spec)
     resources = worker_resources(spec)
@@ -243,6 +262,8 @@ def launch_ray(spec: JobSpec, job_name: str, address: str, resume: bool = True, 
     try:
         if not resume or spec.checkpoint.resume == "never":
             set_aside_previous_run(spec)
+        else:  # the model is resolved on each Ray node: its source and the critic are compared here
+            check_resume(spec, None)
         _run_on_cluster(spec, job_name, resources, resume, progress)
     finally:
         if started_here:
@@ -262,6 +283,9 @@ def gcs_unreachable(address: str, timeout_s: float = 5.0) -> str | None:
         if not address:
             current = Path(os.environ.get("RAY_TMPDIR", tempfile.gettempdir())) / "ray" / "ray_current_cluster"
             address = current.read_text().strip() if current.is_file() else ""
+        if not address:  # else Ray answers with its own text about an --address flag distflow has not
+            return ("no Ray cluster was started on this machine (RAY_ADDRESS is unset and no `ray start` "
+                    "left an address)")
     host, sep, port = address.rpartition(":")
     if not sep or not host or address.startswith("ray://") or not port.isdigit():
         return None
@@ -367,9 +391,9 @@ def _wait(spec: JobSpec, runs: dict, places: list[dict], queue) -> None:
 
     printer = None
     if queue is not None:
-        from distflow.launcher import ProgressPrinter
+        from distflow.progress import progress_printer
 
-        printer = ProgressPrinter(spec.trainer.total_steps)
+        printer = progress_printer(spec.trainer.total_steps)
     pending, failures, failed_at = list(runs), [], None
     while pending:
         done, pending = ray.wait(pending, num_returns=len(pending), timeout=POLL_SECONDS)
@@ -382,15 +406,27 @@ def _wait(spec: JobSpec, runs: dict, places: list[dict], queue) -> None:
         _show_progress(queue, printer)
         if failed_at is not None and (not pending or time.monotonic() - failed_at > FAILURE_GRACE_SECONDS):
             break
-    if printer is not None and printer.task is not None:
-        printer.bar.stop()
+    if printer is not None:
+        printer.close()
     if failures:
+        if (user_error := user_function_failure(failures)) is not None:
+            raise user_error
         raise LaunchError(failure_message(failures, places, RayActorError))
 
 
 def _show_progress(queue, printer) -> None:
     while queue is not None and not queue.empty():
         printer(*queue.get_nowait())
+
+
+def user_function_failure(failures: list) -> UserFunctionError | None:
+    """The first worker error that is a user's function raising (Ray wraps it as the cause of a
+    RayTaskError), to fail the job with its message alone, as the local launcher does."""
+    for _, err in failures:
+        cause = getattr(err, "cause", None)
+        if isinstance(cause, UserFunctionError):
+            return UserFunctionError(str(cause))
+    return None
 
 
 def failure_message(failures: list, places: list[dict], actor_error: type) -> str:

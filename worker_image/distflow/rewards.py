@@ -19,16 +19,15 @@ user functions given as ``module:function`` must have it too.
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
 import re
 import threading
 from functools import partial
-from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Callable, Sequence
 
 from distflow.data.records import PromptRecord
+from distflow.errors import UserFunctionError
 from distflow.names import BUILTIN_REWARDS, registry
+from distflow.user_functions import load_user_function
 
 RewardFn = Callable[[str, str, dict], float]
 
@@ -215,24 +214,6 @@ def default_reward_name(data_source: str) -> str:
     return "math"
 
 
-def _import_module(module_name: str, spec: str) -> Any:
-    if module_name.endswith(".py"):
-        path = Path(module_name)
-        if not path.is_file():
-            raise ValueError(f"reward {spec!r}: file {module_name!r} not found")
-        file_spec = importlib.util.spec_from_file_location(f"distflow_user_reward_{path.stem}", path)
-        module = importlib.util.module_from_spec(file_spec)
-        file_spec.loader.exec_module(module)
-        return module
-    try:
-        return importlib.import_module(module_name)
-    except ImportError as exc:
-        raise ValueError(
-            f"reward {spec!r}: cannot import module {module_name!r} ({exc}); "
-            f"put it on PYTHONPATH or give a file as 'path/to/file.py:function'"
-        ) from exc
-
-
 def load_reward_fn(name_or_path: str) -> RewardFn:
     """A built-in reward by name, or a user function given as ``module:function``
     (or ``path/to/file.py:function``) with signature ``(response, ground_truth, extra_info) -> float``.
@@ -243,35 +224,29 @@ def load_reward_fn(name_or_path: str) -> RewardFn:
     """
     if name_or_path in REWARD_FNS:
         return REWARD_FNS[name_or_path]
-    module_name, sep, fn_name = name_or_path.rpartition(":")
-    if not sep or not module_name or not fn_name:
+    if ":" not in name_or_path.strip(":"):
         raise ValueError(
             f"unknown reward {name_or_path!r}; choose one of {sorted(REWARD_FNS)} "
             f"or give a user function as 'module:function'"
         )
-    module = _import_module(module_name, name_or_path)
-    if not hasattr(module, fn_name):
-        public = sorted(n for n in dir(module) if not n.startswith("_") and callable(getattr(module, n)))
-        raise ValueError(
-            f"reward {name_or_path!r}: module {module_name!r} has no function {fn_name!r}; it has {public}"
-        )
-    fn = getattr(module, fn_name)
-    if not callable(fn):
-        raise ValueError(f"reward {name_or_path!r}: {module_name}.{fn_name} is a {type(fn).__name__}, not a function")
-    return fn
+    return load_user_function(name_or_path, "reward", ("response", "ground_truth", "extra_info"))
 
 
 def compute_scores(
-    responses: Sequence[str], records: Sequence[PromptRecord], reward_name: str | None = None
+    responses: Sequence[str], records: Sequence[PromptRecord], reward_name: str | None = None,
+    where: str = "",
 ) -> list[float]:
     """Scores [B] of ``responses`` [B] against the ground truth of ``records`` [B].
 
     Args:
         reward_name: a built-in name or ``module:function``; None (or ``"auto"``)
             picks per record from its ``data_source`` (:func:`default_reward_name`).
+        where: when the scoring happens (``step 3``), for the message of a reward that raises.
 
     Raises:
         ValueError: lengths differ, or ``reward_name`` cannot be resolved.
+        UserFunctionError: the reward function raised or returned no number on a sample; the
+            message names the function, the sample (record uid, ground truth, response) and ``where``.
     """
     if len(responses) != len(records):
         raise ValueError(f"compute_scores: {len(responses)} responses for {len(records)} records")
@@ -279,5 +254,13 @@ def compute_scores(
     scores = []
     for response, record in zip(responses, records, strict=True):
         fn = fixed or REWARD_FNS[default_reward_name(record.data_source)]
-        scores.append(float(fn(response, record.ground_truth, record.extra_info)))
+        try:
+            scores.append(float(fn(response, record.ground_truth, record.extra_info)))
+        except Exception as err:  # noqa: BLE001 - whatever the user's code raises, say where
+            name = reward_name if fixed else default_reward_name(record.data_source)
+            raise UserFunctionError(
+                f"data.rewardFn {name!r} raised {type(err).__name__}: {err} {where + ' ' if where else ''}"
+                f"on sample {record.uid} (ground truth {record.ground_truth!r}, response {response[:120]!r}); "
+                "fix the function (it must return a float for every response), then run again: "
+                "training resumes from the last checkpoint") from err
     return scores

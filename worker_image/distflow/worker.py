@@ -16,6 +16,7 @@ plus the samples a plan says must move.
 from __future__ import annotations
 
 import ctypes
+import logging
 import os
 import random
 import time
@@ -26,22 +27,25 @@ import torch
 import torch.distributed as dist
 
 from distflow import chaos, checkpoint, process_group, sample_ids
+from distflow.checkpoint_origin import made_from
 from distflow.coordinator import DataCoordinator
 from distflow.data.buffer import NodeBuffer
 from distflow.data.counters import TransferCounters
 from distflow.data.loader import ShardedPromptLoader
 from distflow.data.prompt_fit import fit_prompts, scan_share
 from distflow.data.sources import dataset_source
-from distflow.engines import fsdp
+from distflow.device_guard import guard_from_environ
+from distflow.engines import flex_masks, fsdp
 from distflow.engines.actor import Actor
 from distflow.engines.critic import build_critic
-from distflow.engines.loading import load_sharded_causal_lm
+from distflow.engines.loading import load_sharded_causal_lm, rollout_copy
 from distflow.engines.rollout import HfRollout, render_prompt, step_seed
 from distflow.exporter import NodeExporter
 from distflow.metrics import JsonlWriter, StepMetrics
-from distflow.models import DTYPES, load_causal_lm, load_tokenizer, model_cache_dir, resolve_model
+from distflow.models import DTYPES, load_tokenizer, model_cache_dir, resolve_model
 from distflow.planner import ROLLOUT, build_plan
 from distflow.spec import JobSpec
+from distflow.spec.defaults import kv_cache_bytes_per_token, kv_cache_micro_batch_size, resolve_device_defaults
 from distflow.fields import check_stage_output
 from distflow.stages import STAGES, StageContext, StageModels, StageOutput, build_kl_controller
 from distflow.stages.rollout import generate_round, sampling_params
@@ -68,6 +72,9 @@ class WorkerEnv:
     resume: bool = True
     metrics_port: int = 0
     """Prometheus port this node serves (0: none)."""
+
+
+log = logging.getLogger(__name__)
 
 
 def _release_freed_memory() -> None:
@@ -127,11 +134,16 @@ class DagWorker:
     def __init__(self, spec: JobSpec, env: WorkerEnv):
         self.spec, self.env = spec, env
         self.plan = build_plan(spec)
+        self.made_from = made_from(spec, env.model_dir)  # recorded in each checkpoint, compared on resume
         # Served first: a pod is Ready (readiness probe on /metrics) once its runtime is up.
         self.exporter = NodeExporter(env.job_name, env.node_rank, env.metrics_port) \
             if env.local_rank == 0 else None
         info = fsdp.select_device(spec.cluster.device, env.device_index)
         self.device = info.device
+        self.device_guard = guard_from_environ(self.device)
+        self.spec = spec = resolve_device_defaults(spec, self.device.type)
+        if self.device.type == "cuda":
+            fsdp.set_tf32(spec.model.tf32)
         threads = spec.trainer.num_threads or max(1, (os.cpu_count() or 1) // env.local_world_size)
         torch.set_num_threads(threads)
         process_group.init(self.device, f"tcp://{env.master_addr}:{env.master_port}", env.rank, env.world_size)
@@ -157,15 +169,15 @@ class DagWorker:
         spec, env = self.spec, self.env
         _seed_everything(spec.trainer.seed)
         self.tokenizer = load_tokenizer(env.model_dir)
-        mesh = fsdp.dp_mesh(self.device, env.world_size)
+        mesh = fsdp.dp_mesh(self.device, env.world_size, spec.cluster.data_parallel_replicate_degree)
         compute = DTYPES[spec.model.compute_dtype]
-        copy = None
-        if not spec.rollout.share_actor_weights and spec.rollout.engine == "hf":
-            copy = load_causal_lm(env.model_dir, compute).to(self.device).eval()
         # float32 master weights whatever model.dtype says: AdamW steps them (FSDP2 mixed precision).
         self.actor_model = load_sharded_causal_lm(env.model_dir, mesh, self.device, torch.float32, compute,
                                                   spec.model.gradient_checkpointing,
                                                   spec.actor.reshard_after_forward)
+        copy = None
+        if not spec.rollout.share_actor_weights and spec.rollout.engine == "hf":
+            copy = rollout_copy(env.model_dir, self.actor_model, self.device, compute)
         self.rollout = self._build_rollout(copy)
         self.actor = Actor.build(spec, self.actor_model, self.tokenizer.pad_token_id,
                                  env.world_size, self.device)
@@ -175,6 +187,7 @@ class DagWorker:
                                                     DTYPES[spec.model.dtype], compute).eval()
             self.ref_model.requires_grad_(False)
         self._build_critic(mesh)
+        self._size_rollout_micro_batches()
         self.models = StageModels(rollout=self.rollout, actor=self.actor, policy=self.actor_model,
                                   reference=self.ref_model, critic=self.critic)
 
@@ -187,9 +200,30 @@ class DagWorker:
             return HfRollout(weights, self.tokenizer, self.device)
         from distflow.engines.vllm_rollout import VllmRollout, vllm_config
 
-        return VllmRollout.build(vllm_config(spec, env.model_dir, self.device.type), self.tokenizer,
-                                 rank=env.rank, local_rank=env.local_rank, world_size=env.world_size,
+        return VllmRollout.build(vllm_config(spec, env.model_dir, self.device), self.tokenizer,
+                                 policy=self.actor_model, rank=env.rank, world_size=env.world_size,
                                  master_addr=env.master_addr, master_port=env.master_port)
+
+    def _size_rollout_micro_batches(self) -> None:
+        """``rollout.microBatchSize`` left open (cuda, hf): as many sequences as the KV cache of
+        full-length ones fits in ``rollout.gpuMemoryUtilization`` of the GPU memory free now,
+        less the full weights a shared-weights rollout all-gathers."""
+        spec = self.spec
+        if spec.rollout.micro_batch_size is not None:
+            return
+        compute = DTYPES[spec.model.compute_dtype]
+        gathered = fsdp.unsharded_nbytes(self.actor_model, compute) if self.rollout.shared else 0
+        free = max(0, torch.cuda.mem_get_info(self.device)[0] - gathered)
+        config = self.actor_model.config.get_text_config(decoder=True)
+        heads = config.num_attention_heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+        per_token = kv_cache_bytes_per_token(config.num_hidden_layers, getattr(config, "num_key_value_heads", None)
+                                             or heads, head_dim, compute.itemsize)
+        micro = kv_cache_micro_batch_size(free, spec.rollout.gpu_memory_utilization, per_token,
+                                          spec.data.max_prompt_length + spec.data.max_response_length,
+                                          spec.rollout.n)
+        log.info("rollout.microBatchSize: %d sequences (KV cache %d bytes per token)", micro, per_token)
+        self.spec = spec.model_copy(update={"rollout": spec.rollout.model_copy(update={"micro_batch_size": micro})})
 
     def _build_critic(self, mesh) -> None:
         """The value model (when the workflow has critic or values nodes) and the in-reward KL coefficient."""
@@ -256,7 +290,7 @@ class DagWorker:
                                sampling_params(self.spec, held_out=True), step_seed(self.spec.trainer.seed, -1))
         texts, records, scores = score_responses(self.tokenizer, batch,
                                                  dict(zip(self.eval_indices, self.eval_records)),
-                                                 self.spec.data.reward_fn)
+                                                 self.spec.data.reward_fn, f"in the evaluation at step {self.step}")
         if self.writer is not None:
             self.writer.write_samples(self.step, records, texts, scores)
         sums = self.global_sum(torch.tensor([sum(scores), len(scores)], dtype=torch.float64))
@@ -270,6 +304,7 @@ class DagWorker:
 
     def run_step(self) -> dict[str, float]:
         self.coordinator.next_step(self.step)
+        flex_masks.forget_block_masks()  # the last step's micro-batches are gone
         self.metrics = StepMetrics()
         sent_before = dict(self.counters.bytes_sent)
         hits_before = sum(self.counters.cache_hits.values())
@@ -314,7 +349,7 @@ class DagWorker:
         return StageContext(spec=self.spec, step=self.step, rank=self.rank, rollout_dp_rank=self.rollout_dp_rank,
                             tokenizer=self.tokenizer, models=self.models, loader=self.loader,
                             metrics=self.metrics, reduce=self.global_sum, kl_ctrl=self.kl_ctrl,
-                            regroup=self._regroup)
+                            regroup=self._regroup, device=self.device)
 
     def _regroup(self, node_id: str, batch, target: list[list[int]], edge: str):
         """``batch`` moved so rank r holds the sample ids ``target[r]`` (collective)."""
@@ -409,7 +444,8 @@ class DagWorker:
             if fail_at and self.step + 1 == fail_at:
                 # Chaos hook for the resume tests: die like a lost node would, mid-run.
                 raise RuntimeError(f"injected failure at step {fail_at} (DISTFLOW_INJECT_FAILURE_AT_STEP)")
-            out = self.run_step()
+            with self.device_guard:
+                out = self.run_step()
             self._log_trained_ids()
             self.step += 1
             every = spec.trainer.eval_every_steps

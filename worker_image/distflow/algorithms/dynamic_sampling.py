@@ -37,8 +37,10 @@ def groups_with_signal(scores: Tensor, group_index: Tensor) -> Tensor:
     _, inverse = torch.unique(group_index, return_inverse=True)
     num_groups = int(inverse.max()) + 1 if inverse.numel() else 0
     scores = scores.to(torch.float64)
-    high = torch.full((num_groups,), -torch.inf, dtype=torch.float64).scatter_reduce(0, inverse, scores, "amax")
-    low = torch.full((num_groups,), torch.inf, dtype=torch.float64).scatter_reduce(0, inverse, scores, "amin")
+    high = torch.full((num_groups,), -torch.inf, dtype=torch.float64, device=scores.device).scatter_reduce(
+        0, inverse, scores, "amax")
+    low = torch.full((num_groups,), torch.inf, dtype=torch.float64, device=scores.device).scatter_reduce(
+        0, inverse, scores, "amin")
     return (high > low)[inverse]
 
 

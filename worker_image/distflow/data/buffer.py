@@ -221,10 +221,11 @@ class NodeBuffer:
 
     def cleanup(self) -> None:
         """Remove the whole node directory at the end. Every worker of the node calls it (each
-        closes on its own), so whichever comes second finds the files, or the directory, gone."""
-        for leftover in self.directory.glob("*"):
-            leftover.unlink(missing_ok=True)
+        closes on its own), so whichever comes second finds the files, or the directory, gone:
+        even while listing it (pathlib checks the directory, then lists it)."""
         try:
+            for leftover in self.directory.glob("*"):
+                leftover.unlink(missing_ok=True)
             self.directory.rmdir()
         except FileNotFoundError:
             pass

@@ -165,7 +165,7 @@ class FileSource:
                 f"data file {self.path}: unknown extension {suffix!r}; use one of "
                 f"{list(DATA_SUFFIXES)}"
             )
-        self.format = "parquet" if suffix in _PARQUET_SUFFIXES else "jsonl"
+        self.format = source_format(self.path)
         self.split = self.path.stem
         self._parquet_group_starts: np.ndarray | None = None
         if self.format == "parquet":
@@ -291,3 +291,40 @@ def count_records(path: str | os.PathLike) -> int:
 def read_records(path: str | os.PathLike, indices: Sequence[int]) -> list[PromptRecord]:
     """Prompt records at ``indices`` of a jsonl/parquet file, reading only the rows needed."""
     return FileSource(path).read(indices)
+
+
+def data_file_problem(path: str | os.PathLike) -> str | None:
+    """Why a prompt file cannot be trained on, read from its first record; None when it can.
+
+    Catches what would otherwise fail only once the workers read their shards: an
+    empty file, a file that is not JSON lines / parquet, a record of no known schema
+    (e.g. no ``prompt`` or ``question`` field).
+    """
+    try:
+        source = FileSource(path)
+        if source.num_records == 0:
+            return "has no records (the file is empty); give a file with one prompt record per line or row"
+        source.read([0])
+    except (ValueError, TypeError, KeyError, OSError) as err:  # pyarrow's ArrowInvalid is a ValueError
+        if "schema" in str(err):  # the message lists the accepted schemas and the missing keys
+            return f"has records distflow cannot read: {err}"
+        if source_format(path) == "parquet":
+            return f"is not a readable parquet file ({err}); write it with pyarrow or pandas.to_parquet"
+        if _first_character(path) == "[":
+            return "holds one JSON array, not JSON lines; write one JSON object per line (e.g. jq -c '.[]')"
+        return f"is not JSON lines ({err}); write one JSON object per line"
+    return None
+
+
+def _first_character(path: str | os.PathLike) -> str:
+    """The file's first character that is not white space ('' for none or a file not UTF-8)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read(4096).lstrip()[:1]
+    except (OSError, UnicodeDecodeError):
+        return ""
+
+
+def source_format(path: str | os.PathLike) -> str:
+    """``parquet`` or ``jsonl``, from the file's extension."""
+    return "parquet" if Path(path).suffix.lower() in _PARQUET_SUFFIXES else "jsonl"

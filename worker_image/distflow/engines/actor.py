@@ -15,6 +15,7 @@ old-log-prob pass is planned.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -24,6 +25,7 @@ from distflow.algorithms import (
 )
 from distflow.data.batch import PackedBatch
 from distflow.engines import fsdp, model_ops
+from distflow.metrics import DeviceMetrics
 from distflow.spec import JobSpec
 
 
@@ -59,7 +61,7 @@ class Actor:
 
     def _global_counts(self, batch: PackedBatch) -> LossNormalizer:
         tokens = float(batch.sample_fields["response_len"].sum())
-        sums = fsdp.all_reduce_sum(torch.tensor([tokens, float(batch.num_samples)]), self.device)
+        sums = fsdp.all_reduce_sum(torch.tensor([tokens, float(batch.num_samples)], device=self.device), self.device)
         return LossNormalizer(global_num_tokens=max(float(sums[0]), 1.0),
                               global_num_seqs=max(float(sums[1]), 1.0),
                               max_response_length=self.spec.data.max_response_length)
@@ -89,7 +91,7 @@ class Actor:
             kl_loss = aggregate_loss(kl, mask, alg.loss_agg_mode, norm)
             loss = loss + alg.kl_loss_coef * kl_loss
             stats["actor/kl_loss"] = kl_loss.detach()
-        return loss, stats, float(mask.sum())
+        return loss, stats, mask.sum()
 
     def _rollout_correction(self, mb: model_ops.MicroBatch, old: torch.Tensor, pg_losses: torch.Tensor,
                             mask: torch.Tensor) -> tuple[torch.Tensor, dict]:
@@ -145,21 +147,28 @@ class Actor:
         a = self.spec.actor
         if hold:
             fsdp.hold_unsharded(self.model)
-        for chunk in model_ops.split_micro_batches(part, a.micro_batch_size, a.max_tokens_per_micro_batch):
-            mb = model_ops.collate(chunk, self.pad_token_id, a.share_prompt_prefix)
-            loss, stats, ntok = self._micro_loss(mb, norm, on_policy)
+        stats = DeviceMetrics()
+        for chunk, host in model_ops.dp_micro_batches(part, a.micro_batch_size, a.max_tokens_per_micro_batch,
+                                                      a.share_prompt_prefix):
+            mb = model_ops.collate(chunk, self.pad_token_id, a.share_prompt_prefix, host)
+            if chunk.num_samples == 0:  # padding to the ranks' common count: collectives only, no gradient
+                log_probs, _ = model_ops.forward_log_probs(self.model, mb, self.spec.rollout.temperature, False)
+                (log_probs.sum() * 0).backward()
+                continue
+            loss, micro_stats, ntok = self._micro_loss(mb, norm, on_policy)
             (loss * self.dp_size).backward()
-            for k, v in stats.items():
+            for k, v in micro_stats.items():
                 if k in _LOSS_SHARES:
-                    metrics.add_sum(k, float(v) / num_steps)
+                    stats.add_sum(k, v)
                 elif k.endswith("/max"):
-                    metrics.add_max(k, float(v))
+                    stats.add_max(k, v)
                 else:
-                    metrics.add_mean(k, float(v) * ntok, ntok)
+                    stats.add_mean(k, v * ntok, ntok)
+        stats.flush(metrics, scale=1 / num_steps)
         if hold:
             fsdp.release_unsharded(self.model)  # the step and the clip read the sharded parameters
         grad_norm = fsdp.grad_norm_and_clip(self.model, a.grad_clip)
-        if torch.isfinite(torch.tensor(grad_norm)):
+        if math.isfinite(grad_norm):
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         # Same value on every rank: average it, do not sum it.

@@ -20,6 +20,7 @@ learning rate.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -27,6 +28,8 @@ import torch
 from distflow.algorithms import LossNormalizer, aggregate_loss, clipped_value_loss, explained_variance
 from distflow.data.batch import PackedBatch
 from distflow.engines import fsdp, model_ops
+from distflow.engines.loading import empty_causal_lm, load_sharded
+from distflow.metrics import DeviceMetrics
 from distflow.models import DTYPES
 from distflow.spec import JobSpec
 
@@ -39,6 +42,11 @@ class ValueModel(torch.nn.Module):
         self.model = backbone
         dtype = next(backbone.parameters()).dtype
         self.value_head = torch.nn.Linear(backbone.config.hidden_size, 1, dtype=dtype)
+        self.zero_head()
+
+    @torch.no_grad()
+    def zero_head(self) -> None:
+        """The head's start: V = 0 everywhere (on its FSDP shards too)."""
         torch.nn.init.zeros_(self.value_head.weight)
         torch.nn.init.zeros_(self.value_head.bias)
 
@@ -92,11 +100,12 @@ class Critic:
         """Values of this rank's samples, packed ``[T_total]`` (0 on prompt tokens)."""
         self.model.eval()
         pieces = []
-        for chunk in model_ops.split_micro_batches(batch, self.spec.critic.micro_batch_size):
-            mb = model_ops.collate(chunk, self.pad_token_id)
+        for chunk, host in model_ops.dp_micro_batches(batch, self.spec.critic.micro_batch_size):
+            mb = model_ops.collate(chunk, self.pad_token_id, host=host)
             values = forward_values(self.model, mb)
-            pieces.append(model_ops.unwindow(mb, values.to(mb.source.device)))
-        return torch.cat(pieces) if pieces else torch.zeros(0)
+            if chunk.num_samples:
+                pieces.append(model_ops.unwindow(mb, values.to(mb.source.device)))
+        return torch.cat(pieces) if pieces else torch.zeros(0, device=self.device)
 
     def update(self, batch: PackedBatch, metrics) -> None:
         """Fit the values to ``returns`` on this rank's part of the batch; metrics into ``metrics``.
@@ -126,25 +135,28 @@ class Critic:
     def _optimizer_step(self, part: PackedBatch, metrics, num_steps: int) -> None:
         c = self.spec.critic
         sums = self._global_sum(torch.tensor([float(part.sample_fields["response_len"].sum()),
-                                              float(part.num_samples)], dtype=torch.float64))
+                                              float(part.num_samples)], dtype=torch.float64, device=self.device))
         norm = LossNormalizer(global_num_tokens=max(float(sums[0]), 1.0), global_num_seqs=max(float(sums[1]), 1.0),
                               max_response_length=self.spec.data.max_response_length)
-        predictions = []
-        for chunk in model_ops.split_micro_batches(part, c.micro_batch_size):
-            mb = model_ops.collate(chunk, self.pad_token_id)
+        predictions, stats = [], DeviceMetrics()
+        for chunk, host in model_ops.dp_micro_batches(part, c.micro_batch_size):
+            mb = model_ops.collate(chunk, self.pad_token_id, host=host)
             values = forward_values(self.model, mb)
+            if chunk.num_samples == 0:  # padding to the ranks' common count: collectives only, no gradient
+                (values.sum() * 0).backward()
+                continue
             mask = mb.response_mask.to(values.device)
             old = model_ops.window_field(mb, "values").to(values.device)
             returns = model_ops.window_field(mb, "returns").to(values.device)
             vf_losses, clipfrac = clipped_value_loss(values, old, returns, mask, c.cliprange_value)
             loss = aggregate_loss(vf_losses, mask, c.loss_agg_mode, norm)
             (loss * self.dp_size).backward()
-            ntok = float(mask.sum())
-            metrics.add_sum("critic/vf_loss", float(loss.detach()) / num_steps)
-            metrics.add_mean("critic/vf_clipfrac", float(clipfrac) * ntok, ntok)
+            stats.add_sum("critic/vf_loss", loss)
+            stats.add_mean("critic/vf_clipfrac", clipfrac * mask.sum(), mask.sum())
             predictions.append(model_ops.unwindow(mb, values.detach().to(mb.source.device)))
+        stats.flush(metrics, scale=1 / num_steps)
         grad_norm = fsdp.grad_norm_and_clip(self.model, c.grad_clip)
-        if torch.isfinite(torch.tensor(grad_norm)):
+        if math.isfinite(grad_norm):
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self._explained_variance(part, predictions, metrics)
@@ -153,7 +165,7 @@ class Critic:
 
     def _explained_variance(self, part: PackedBatch, predictions: list[torch.Tensor], metrics) -> None:
         """Global explained variance of the pre-step predictions (one all-reduce, same on every rank)."""
-        values = torch.cat(predictions) if predictions else torch.zeros(0)
+        values = torch.cat(predictions) if predictions else torch.zeros(0, device=self.device)
         ev = explained_variance(values[None], part.token_fields["returns"].float()[None],
                                 part.token_fields["response_mask"].float()[None], self._global_sum)
         # NaN (all returns equal) is the same on every rank, so skipping it keeps metric keys aligned.
@@ -162,13 +174,22 @@ class Critic:
 
 
 def build_critic(spec: JobSpec, model_dir: str, pad_token_id: int, mesh, dp_size: int, device) -> Critic:
-    """Load the value model from ``model_dir``, shard it over ``mesh`` (FSDP2) and give it an optimizer.
+    """Load the value model from ``model_dir`` sharded over ``mesh`` (FSDP2: each rank reads only
+    its rows, ``loading.load_sharded``) and give it an optimizer.
 
     Its master weights are float32 whatever ``model.dtype`` says; it computes in model.mixedPrecision
     (none: model.dtype).
+
+    Raises:
+        ValueError: ``model_dir`` has no safetensors weights, or they lack a backbone parameter.
     """
-    model = load_value_model(model_dir, "float32").to(device)
+    model = ValueModel(empty_causal_lm(model_dir, torch.float32, auto_class="AutoModel"))
     if spec.model.gradient_checkpointing:
         model.model.gradient_checkpointing_enable()
-    return Critic.build(spec, fsdp.apply_fsdp(model, mesh, DTYPES[spec.model.compute_dtype]),
-                        pad_token_id, dp_size, device)
+    head = frozenset(f"value_head.{name}" for name, _ in model.value_head.named_parameters())
+    # The checkpoint of a causal LM holds the backbone under its base_model_prefix (model., transformer.).
+    saved_as = (f"{model.model.base_model_prefix}." if model.model.base_model_prefix else "")
+    load_sharded(model, model_dir, mesh, device, DTYPES[spec.model.compute_dtype], fresh=head,
+                 prefix=("model.", saved_as))
+    model.zero_head()
+    return Critic.build(spec, model, pad_token_id, dp_size, device)

@@ -2,7 +2,8 @@
 
 Parallelism lives here, apart from model code (torchtitan's split): the model
 is an ordinary transformers causal LM; ``apply_fsdp`` shards each decoder
-layer and then the root over a 1-D dp mesh.
+layer and then the root over the dp mesh (``dp_mesh``: 1-D, or HSDP's 2-D
+replicate x shard mesh).
 
 Mixed precision is FSDP2's ``MixedPrecisionPolicy``: the sharded parameters
 (the master weights the optimizer steps) keep their dtype, float32 for a
@@ -62,8 +63,26 @@ def select_device(requested: str, device_index: int) -> DeviceInfo:
     return DeviceInfo(torch.device("cpu"), backend_for("cpu"))
 
 
-def dp_mesh(device: torch.device, world_size: int) -> DeviceMesh:
-    return init_device_mesh(device.type, (world_size,), mesh_dim_names=("dp",))
+def dp_mesh(device: torch.device, world_size: int, replicate: int = 1) -> DeviceMesh:
+    """The FSDP2 mesh: 1-D ``("dp",)`` over every rank, or with ``replicate`` > 1 the HSDP mesh
+    ``("dp_replicate", "dp_shard")`` of shape ``[replicate, world_size // replicate]``: each row
+    (consecutive ranks: a node, when ``replicate`` is the node count) shards the parameters,
+    the rows hold replicas, so per-layer all-gathers stay within a row and only the gradient
+    all-reduce crosses rows (torchtitan's names)."""
+    if replicate == 1:
+        return init_device_mesh(device.type, (world_size,), mesh_dim_names=("dp",))
+    return init_device_mesh(device.type, (replicate, world_size // replicate),
+                            mesh_dim_names=("dp_replicate", "dp_shard"))
+
+
+def set_tf32(enabled: bool) -> None:
+    """float32 matmuls and cuDNN convolutions on CUDA in TF32 (``model.tf32``), or full float32."""
+    if not hasattr(torch.backends.cuda.matmul, "fp32_precision"):  # torch < 2.9 (vLLM's pins)
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = enabled
+        return
+    precision = "tf32" if enabled else "ieee"  # the new API only: torch refuses a mix of both
+    torch.backends.cuda.matmul.fp32_precision = precision
+    torch.backends.cudnn.conv.fp32_precision = precision
 
 
 def _decoder_layers(model) -> list[torch.nn.Module]:

@@ -26,6 +26,7 @@ FlexAttention's ``BlockMask`` (torch.nn.attention.flex_attention), built from
 the ``[g, S]`` segment ids, so no ``[g, S, S]`` tensor is kept and fully masked
 128x128 tiles (one response against another) are skipped; the default on CUDA.
 ``dense``: the ``[g, 1, S, S]`` boolean mask for sdpa/eager; the default on
+CUDA where Triton cannot compile (no C compiler or Python headers: ``can_compile``) and on
 CPU, where FlexAttention runs eagerly at ~8x the dense time or compiles for
 minutes per shape (docs/benchmarks.md, shared-prompt attention).
 """
@@ -33,13 +34,22 @@ minutes per shape (docs/benchmarks.md, shared-prompt attention).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
+import logging
+import os
+import shutil
+import sysconfig
 from dataclasses import dataclass
 
 import torch
 
+from distflow import process_group
 from distflow.algorithms import log_probs_and_entropy
 from distflow.data.batch import PackedBatch, from_padded
+from distflow.engines import flex_masks
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -101,6 +111,19 @@ class PrefixRows:
         return create_block_mask(allowed, g, None, width, width, device=device,
                                  _compile=device.type == "cuda")
 
+    def padded(self, width: int) -> "PrefixRows":
+        """The same rows right-padded to ``width`` >= S columns (``flex_masks.bucketed_width``).
+
+        New columns are padding (segment -1, nothing kept), which no real token attends
+        to; their token id 0 is never read. Kept positions keep their order, so
+        ``logit_index``, ``labels`` and ``window_index`` stay as they are.
+        """
+        extra = width - self.segment.shape[1]
+        assert extra >= 0, (width, self.segment.shape)
+        pad = lambda t, value: torch.nn.functional.pad(t, (0, extra), value=value)  # noqa: E731
+        return dataclasses.replace(self, input_ids=pad(self.input_ids, 0), position_ids=pad(self.position_ids, 0),
+                                   segment=pad(self.segment, -1), keep=pad(self.keep, False))
+
 
 @dataclass(frozen=True)
 class MicroBatch:
@@ -126,23 +149,32 @@ class MicroBatch:
         return self.response_mask.shape[1]
 
 
-def collate(batch: PackedBatch, pad_token_id: int, share_prompt_prefix: bool = False) -> MicroBatch:
+def collate(batch: PackedBatch, pad_token_id: int, share_prompt_prefix: bool = False,
+            host: PackedBatch | None = None) -> MicroBatch:
     """Left-pad packed samples for a forward pass.
 
     Needs token fields ``input_ids`` and ``response_mask`` ([T_total]);
     ``share_prompt_prefix`` also needs sample fields ``prompt_len``,
     ``response_len`` and ``group_index`` (without ``group_index`` nothing is shared).
+    The lengths and the shared rows are read from ``host``, the same samples'
+    ``metadata_on_host`` (default: ``batch`` itself, a device sync per read on CUDA).
+    An empty ``batch`` (``fill_micro_batches``' padding) gives one row of two pad
+    tokens and an all-zero ``response_mask`` [1, 1]: a forward that trains nothing.
     """
+    if batch.num_samples == 0:
+        pad = torch.full((1, 2), pad_token_id, dtype=torch.long)
+        return MicroBatch(pad, torch.ones_like(pad), torch.arange(2).unsqueeze(0), torch.zeros(1, 1), batch)
     lens = batch.seq_lens
     width = int(lens.max())
     input_ids = batch.to_padded("input_ids", pad_value=pad_token_id, max_len=width, left_pad=True)
     attention_mask = (torch.arange(width).unsqueeze(0) >= (width - lens).unsqueeze(1)).long()
     position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
     resp_full = batch.to_padded("response_mask", pad_value=0, max_len=width, left_pad=True)
-    window = max(1, int(batch.sample_fields["response_len"].max()))
+    host = batch if host is None else host
+    window = max(1, int(host.sample_fields["response_len"].max()))
     # Older transformers (no boolean logits_to_keep) run the per-sample path: same results, more FLOPs.
     shared = share_prompt_prefix and _logits_to_keep_takes_a_mask()
-    rows = share_prompts(batch, pad_token_id, window) if shared else None
+    rows = share_prompts(host, pad_token_id, window) if shared else None
     return MicroBatch(input_ids, attention_mask, position_ids,
                       resp_full[:, -window:].float(), batch, rows)
 
@@ -253,7 +285,8 @@ def _shared_prompt_forward(model, mb: MicroBatch, temperature: float, with_entro
     """``forward_log_probs`` over ``mb.prefix_rows``: each prompt runs once per row.
 
     The model gets the ``[g, S]`` rows, the attention mask (a ``BlockMask``
-    under FlexAttention for ``backend`` flex, else ``[g, 1, S, S]``) and,
+    under FlexAttention for ``backend`` flex, S bucketed and the mask built once
+    per micro-batch by ``flex_masks``; else ``[g, 1, S, S]``) and,
     as ``logits_to_keep``, the ``[g, S]`` boolean ``keep`` mask, so only the
     ``N = keep.sum()`` needed positions go through the LM head ([N, V] logits;
     needs a transformers whose models accept a boolean ``logits_to_keep``).
@@ -277,7 +310,8 @@ def _shared_prompt_forward(model, mb: MicroBatch, temperature: float, with_entro
     rows = mb.prefix_rows
     device = next(model.parameters()).device
     if backend == "flex":
-        mask, attention = rows.block_mask(device), _attention_implementation(model, "flex_attention")
+        rows = rows.padded(flex_masks.bucketed_width(rows.segment.shape[1]))
+        mask, attention = flex_masks.block_mask(rows, device), _attention_implementation(model, "flex_attention")
     else:
         mask, attention = _attention_mask(model, rows.attention_allowed(device)), contextlib.nullcontext()
     with attention:
@@ -313,7 +347,7 @@ run the per-sample path unless FlexAttention serves the shared layout."""
 SHARED_ATTENTION = ("auto", "flex", "dense")
 """How the shared-prompt layout's mask reaches attention: ``flex`` (a FlexAttention
 ``BlockMask``), ``dense`` (a ``[g, 1, S, S]`` mask for sdpa/eager), or ``auto``
-(flex on CUDA when torch has FlexAttention, else dense)."""
+(flex on CUDA when torch has FlexAttention and ``can_compile``, else dense)."""
 
 
 def shared_attention_backend(model, device: torch.device, requested: str = "auto") -> str | None:
@@ -329,7 +363,7 @@ def shared_attention_backend(model, device: torch.device, requested: str = "auto
     if requested == "flex" and not flex:
         raise ValueError(f"shared_attention 'flex' needs torch.nn.attention.flex_attention, which torch "
                          f"{torch.__version__} lacks; use 'dense' or 'auto'")
-    if requested == "flex" or (requested == "auto" and flex and device.type == "cuda"):
+    if requested == "flex" or (requested == "auto" and flex and device.type == "cuda" and can_compile()):
         return "flex"
     return "dense" if model.config._attn_implementation in _MASKABLE_ATTENTION else None
 
@@ -341,6 +375,24 @@ def _has_flex_attention() -> bool:
     except ImportError:
         return False
     return True
+
+
+@functools.cache
+def can_compile() -> bool:
+    """Whether Triton can build its kernels' launchers here: a C compiler where Triton looks
+    for one (``$CC``, else ``gcc`` or ``clang`` on PATH: triton/runtime/build.py) and the
+    Python headers (``Python.h``). FlexAttention on CUDA is ``torch.compile``d into Triton
+    kernels; without either, the first forward fails deep inside Inductor. Cached, so the
+    warning is logged once per process."""
+    compiler = os.environ.get("CC") or shutil.which("gcc") or shutil.which("clang")
+    headers = os.path.isfile(os.path.join(sysconfig.get_paths()["include"], "Python.h"))
+    if compiler and headers:
+        return True
+    missing = "a C compiler ($CC, gcc or clang)" if not compiler else "the Python headers (Python.h)"
+    log.warning(
+        "no %s: FlexAttention cannot compile, so the shared-prompt forward uses the dense "
+        "attention mask (install gcc and python3-dev, as the worker image does)", missing)
+    return False
 
 
 @contextlib.contextmanager
@@ -402,6 +454,74 @@ def split_micro_batches(batch: PackedBatch, micro_batch_size: int,
     return chunks
 
 
+def fill_micro_batches(batch: PackedBatch, chunks: list[PackedBatch], count: int) -> list[PackedBatch]:
+    """``chunks`` (consecutive pieces of ``batch``) made ``count`` long, order kept.
+
+    The chunk of two or more samples with the largest padded forward (b x L
+    tokens) is halved until there are ``count`` chunks, so a token budget still
+    holds; when every chunk is down to one sample, empty chunks (no samples)
+    follow, each a zero-weight forward/backward (see ``collate``).
+
+    Raises:
+        ValueError: ``count`` is less than ``len(chunks)``.
+    """
+    if count < len(chunks):
+        raise ValueError(f"fill_micro_batches: cannot make {len(chunks)} micro-batches into {count}")
+    chunks = list(chunks)
+    while len(chunks) < count:
+        splittable = [i for i, c in enumerate(chunks) if c.num_samples > 1]
+        if not splittable:
+            break
+        i = max(splittable, key=lambda j: chunks[j].num_samples * int(chunks[j].seq_lens.max()))
+        half = (chunks[i].num_samples + 1) // 2
+        chunks[i:i + 1] = [chunks[i].slice(0, half), chunks[i].slice(half, chunks[i].num_samples)]
+    return chunks + [batch.select([])] * (count - len(chunks))
+
+
+_HOST_SAMPLE_FIELDS = ("prompt_len", "response_len", "group_index")
+
+
+def metadata_on_host(batch: PackedBatch, with_input_ids: bool = False) -> PackedBatch:
+    """What ``collate`` reads on the host, as a CPU batch copied in one device->host transfer.
+
+    Sample fields ``prompt_len``, ``response_len`` and ``group_index`` (those present) and,
+    with ``with_input_ids`` (shared prompt rows are laid out from the tokens), token field
+    ``input_ids`` [T_total], all integers.
+    """
+    sample = {k: batch.sample_fields[k] for k in _HOST_SAMPLE_FIELDS if k in batch.sample_fields}
+    token = {"input_ids": batch.token_fields["input_ids"]} if with_input_ids else {}
+    fields = {**token, **sample}
+    if not fields:
+        return PackedBatch(batch.seq_lens)
+    flat = torch.cat([v.reshape(-1).long() for v in fields.values()]).cpu()
+    host = {k: piece.view(v.shape).to(v.dtype)
+            for (k, v), piece in zip(fields.items(), flat.split([v.numel() for v in fields.values()]))}
+    return PackedBatch(batch.seq_lens, {k: host[k] for k in token}, {k: host[k] for k in sample})
+
+
+def dp_micro_batches(batch: PackedBatch, micro_batch_size: int, max_tokens: int | None = None,
+                     share_prompt_prefix: bool = False) -> list[tuple[PackedBatch, PackedBatch]]:
+    """``split_micro_batches`` with the same number of chunks on every rank (collective).
+
+    FSDP2 all-gathers parameters and reduce-scatters gradients in every
+    forward/backward, so ranks running different numbers of them wait on each
+    other forever. The count is the largest any rank cuts (verl's
+    ``same_micro_num_in_dp``); a rank with fewer cuts finer or pads
+    (``fill_micro_batches``). Every rank must call it, once per pass.
+
+    Returns:
+        (chunk, its ``metadata_on_host``) pairs for ``collate``: the metadata of the
+        whole batch crosses to the host once, not once per micro-batch.
+    """
+    host = metadata_on_host(batch, with_input_ids=share_prompt_prefix)
+    chunks = split_micro_batches(host, micro_batch_size, max_tokens)
+    pairs, start = [], 0
+    for chunk in fill_micro_batches(host, chunks, process_group.max_over_ranks(len(chunks))):
+        pairs.append((batch.slice(start, start + chunk.num_samples), chunk))
+        start += chunk.num_samples
+    return pairs
+
+
 @torch.no_grad()
 def compute_log_probs(model, batch: PackedBatch, pad_token_id: int, micro_batch_size: int,
                       temperature: float, share_prompt_prefix: bool = False,
@@ -409,15 +529,17 @@ def compute_log_probs(model, batch: PackedBatch, pad_token_id: int, micro_batch_
     """Per-token log-probs of a whole local batch, packed ``[T_total]`` (0 on prompt tokens).
 
     ``share_prompt_prefix``: run each micro-batch's prompts once (see ``collate``);
-    ``micro_batch_size`` and ``max_tokens``: see ``split_micro_batches``.
+    ``micro_batch_size`` and ``max_tokens``: see ``split_micro_batches``; every
+    rank runs as many forwards (``dp_micro_batches``), so every rank must call it.
     """
     pieces = []
-    for chunk in split_micro_batches(batch, micro_batch_size, max_tokens):
-        mb = collate(chunk, pad_token_id, share_prompt_prefix)
+    for chunk, host in dp_micro_batches(batch, micro_batch_size, max_tokens, share_prompt_prefix):
+        mb = collate(chunk, pad_token_id, share_prompt_prefix, host)
         lp, _ = forward_log_probs(model, mb, temperature, False)
-        pieces.append(unwindow(mb, lp.to(batch.device)))  # stays on the step data's device
+        if chunk.num_samples:
+            pieces.append(unwindow(mb, lp.to(batch.device)))  # stays on the step data's device
     if not pieces:
-        return torch.zeros(0)
+        return torch.zeros(0, device=batch.device)
     return torch.cat(pieces)
 
 

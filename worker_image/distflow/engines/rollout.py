@@ -170,7 +170,7 @@ def generate(model, tokenizer, prompts: list[list[int]], group_index: list[int],
     from transformers import LogitsProcessorList
 
     gen = torch.Generator(device="cpu").manual_seed(seed)
-    torch.manual_seed(int(torch.randint(0, 2**31 - 1, (1,), generator=gen)))
+    torch.manual_seed(int(torch.randint(0, 2**31 - 1, (1,), generator=gen, device="cpu")))
     pad_id = tokenizer.pad_token_id
     eos_ids = eos_token_ids(model, tokenizer)
     kwargs = dict(max_new_tokens=params.max_new_tokens, pad_token_id=pad_id, eos_token_id=eos_ids, do_sample=False)
@@ -195,7 +195,7 @@ def generate(model, tokenizer, prompts: list[list[int]], group_index: list[int],
                 resp = _trim_response(out[row * reps + j, width:], eos_ids, pad_id)
                 seqs.append((prompts[i], resp))
                 meta.append(group_index[i])
-    return pack_responses(seqs, meta)
+    return pack_responses(seqs, meta, device)
 
 
 def _group_chunks(num_prompts: int, n: int, micro_batch_size: int) -> list[list[tuple[int, int]]]:
@@ -208,11 +208,12 @@ def _group_chunks(num_prompts: int, n: int, micro_batch_size: int) -> list[list[
 
 
 def _left_pad(rows: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Prompts left-padded to one width, built on the host: ``generate`` moves them once, repeated."""
     width = max(len(p) for p in rows)
-    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long, device="cpu")
     mask = torch.zeros_like(ids)
     for i, p in enumerate(rows):
-        ids[i, width - len(p):] = torch.tensor(p, dtype=torch.long)
+        ids[i, width - len(p):] = torch.tensor(p, dtype=torch.long, device="cpu")
         mask[i, width - len(p):] = 1
     return ids, mask
 
@@ -292,18 +293,22 @@ def _shared_prefill(model, ids: torch.Tensor, mask: torch.Tensor, reps: int, dev
     return cache
 
 
-def pack_responses(seqs: list[tuple[list[int], list[int]]], groups: list[int]) -> PackedBatch:
-    """(prompt ids, response ids) per sample and its group index -> the rollout's PackedBatch."""
-    lens = torch.tensor([len(p) + len(r) for p, r in seqs], dtype=torch.long)
-    ids = torch.tensor([t for p, r in seqs for t in p + r], dtype=torch.long)
-    rmask = torch.tensor([m for p, r in seqs for m in [0] * len(p) + [1] * len(r)], dtype=torch.int8)
+def pack_responses(seqs: list[tuple[list[int], list[int]]], groups: list[int], device: torch.device) -> PackedBatch:
+    """(prompt ids, response ids) per sample and its group index -> the rollout's PackedBatch, its
+    fields on ``device`` (the worker's: every round of a step, DAPO's refills too, lands where the
+    step's data lives; ``seq_lens`` stays on the host, as ``PackedBatch`` keeps it)."""
+    def field(values, dtype):
+        return torch.tensor(values, dtype=dtype, device=device)
+
     return PackedBatch(
-        seq_lens=lens,
-        token_fields={"input_ids": ids, "response_mask": rmask},
+        seq_lens=torch.tensor([len(p) + len(r) for p, r in seqs], dtype=torch.long, device="cpu"),
+        token_fields={"input_ids": field([t for p, r in seqs for t in p + r], torch.long),
+                      "response_mask": field([m for p, r in seqs for m in [0] * len(p) + [1] * len(r)],
+                                             torch.int8)},
         sample_fields={
-            "prompt_len": torch.tensor([len(p) for p, _ in seqs], dtype=torch.long),
-            "response_len": torch.tensor([len(r) for _, r in seqs], dtype=torch.long),
-            "group_index": torch.tensor(groups, dtype=torch.long),
+            "prompt_len": field([len(p) for p, _ in seqs], torch.long),
+            "response_len": field([len(r) for _, r in seqs], torch.long),
+            "group_index": field(groups, torch.long),
         },
     )
 

@@ -22,8 +22,13 @@ temperature, before top-k/top-p, i.e. what the actor recomputes.
 Weight sync (``sync``): the actor's FSDP2 parameters are all-gathered in
 buckets of at most ``rollout.weightSyncBucketMb`` and streamed into vLLM's
 in-place ``reload_weights`` (layer-wise ``load_weights``): never a second full
-copy of the model in memory. On CUDA the engine sleeps (KV cache freed, weights offloaded) between
-rollouts and wakes for the next one.
+copy of the model in memory. On CUDA the engine sleeps at level 2 between rollouts (KV cache and
+weights discarded, nothing copied to host memory): the weights it needs next come from the actor,
+by the sync after the update, or by one the engine runs itself before it generates again.
+
+Device: the engine's GPU is the worker's own (vLLM's external launcher takes ``cuda:LOCAL_RANK``),
+so ``LOCAL_RANK`` is set to the worker's device index, which differs from its local rank when a
+machine runs several nodes' workers (local launcher) or shows each worker one GPU (Ray).
 
 Simplified on purpose: no pipeline parallelism, no LoRA, no HTTP server.
 """
@@ -60,28 +65,33 @@ class VllmConfig:
     weight_sync_bucket_bytes: int = 64 << 20
     cpu_kv_cache_bytes: int = 1 << 30
     """cpu: the KV cache's size (an explicit size also skips vLLM's warm-up pass at start)."""
+    device_index: int = 0
+    """cuda: the worker's GPU, what the launcher assigned it (0 under Ray, whose actors each see one)."""
 
 
 _WAKE_TAGS = ("weights", "kv_cache", "scheduling")
 """vLLM's sleep-mode memory tags; the engine generates only with all of them back."""
 
 
-def vllm_config(spec, model_dir: str, device_type: str) -> VllmConfig:
-    """The engine's settings from a JobSpec. The engine generates in the compute dtype
-    (``model.mixedPrecision``, else ``model.dtype``), as the hf rollout does."""
+def vllm_config(spec, model_dir: str, device: torch.device | str) -> VllmConfig:
+    """The engine's settings from a JobSpec, for a worker on ``device``. The engine generates in the
+    compute dtype (``model.mixedPrecision``, else ``model.dtype``), as the hf rollout does."""
+    device = torch.device(device)
     return VllmConfig(model_dir=model_dir, dtype=spec.model.compute_dtype,
                       tensor_parallel_size=spec.rollout.tensor_parallel_size,
                       max_model_len=spec.data.max_prompt_length + spec.data.max_response_length,
-                      seed=spec.trainer.seed, device_type=device_type,
+                      seed=spec.trainer.seed, device_type=device.type, device_index=device.index or 0,
                       gpu_memory_utilization=spec.rollout.gpu_memory_utilization,
                       weight_sync_bucket_bytes=spec.rollout.weight_sync_bucket_mb << 20)
 
 
-def _set_launcher_env(rank: int, local_rank: int, world_size: int, master_addr: str, master_port: int) -> None:
-    """vLLM's external launcher reads torchrun's variables; the local launcher may not have set them."""
-    for key, value in (("RANK", rank), ("LOCAL_RANK", local_rank), ("WORLD_SIZE", world_size),
+def _set_launcher_env(rank: int, device_index: int, world_size: int, master_addr: str, master_port: int) -> None:
+    """The torchrun variables vLLM's external launcher reads, set for this worker whatever the process
+    inherited (a parent's RANK/LOCAL_RANK, or the Ray launcher's LOCAL_RANK, would be another rank's):
+    vLLM takes ``cuda:LOCAL_RANK`` as its GPU, so LOCAL_RANK is the worker's device index."""
+    for key, value in (("RANK", rank), ("LOCAL_RANK", device_index), ("WORLD_SIZE", world_size),
                        ("MASTER_ADDR", master_addr), ("MASTER_PORT", master_port)):
-        os.environ.setdefault(key, str(value))
+        os.environ[key] = str(value)
     # The engine core must live in this process: the external launcher runs one engine per rank.
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 
@@ -95,19 +105,36 @@ class VllmRollout:
 
     shared = False
 
-    def __init__(self, config: VllmConfig, tokenizer, llm, tp_rank: int = 0) -> None:
+    def __init__(self, config: VllmConfig, tokenizer, llm, tp_rank: int = 0,
+                 policy: torch.nn.Module | None = None) -> None:
         self.config = config
         self.tokenizer = tokenizer
         self.llm = llm
         self.tp_rank = tp_rank
+        self.policy = policy
+        """The actor's model: where the engine reloads the weights a level-2 sleep discarded."""
         self.resident = set(_WAKE_TAGS)
         """What the engine holds in device memory now (sleep mode, CUDA only)."""
+        self.weights_loaded = True
+        """Whether the engine's weights are a model's (False from a level-2 sleep until a sync)."""
+        self.device = torch.device("cuda", config.device_index) if config.device_type == "cuda" else torch.device("cpu")
+        """Where its batches go: the worker's device."""
 
     @classmethod
-    def build(cls, config: VllmConfig, tokenizer, *, rank: int = 0, local_rank: int = 0, world_size: int = 1,
-              master_addr: str = "127.0.0.1", master_port: int = 29500) -> "VllmRollout":
-        """Start the engine (loads the weights from ``config.model_dir``; every rank of the job calls this)."""
-        _set_launcher_env(rank, local_rank, world_size, master_addr, master_port)
+    def build(cls, config: VllmConfig, tokenizer, *, policy: torch.nn.Module | None = None, rank: int = 0,
+              world_size: int = 1, master_addr: str = "127.0.0.1", master_port: int = 29500) -> "VllmRollout":
+        """Start the engine (loads the weights from ``config.model_dir``; every rank of the job calls this).
+
+        Args:
+            policy: the actor's (FSDP) model; needed on CUDA, where sleeping discards the weights.
+
+        Raises:
+            ValueError: CUDA without ``policy``.
+        """
+        if config.device_type == "cuda" and policy is None:
+            raise ValueError("VllmRollout.build: a CUDA engine needs the actor's model (policy=) to reload "
+                             "the weights its sleep discards")
+        _set_launcher_env(rank, config.device_index, world_size, master_addr, master_port)
         from vllm import LLM
 
         cuda = config.device_type == "cuda"
@@ -120,15 +147,20 @@ class VllmRollout:
                   # CUDA graphs would be captured at every wake; eager keeps start-up and wake cheap.
                   enforce_eager=True, enable_prefix_caching=True,
                   logprobs_mode="processed_logprobs", **kwargs)
-        engine = cls(config, tokenizer, llm, tp_rank=rank % config.tensor_parallel_size)
+        engine = cls(config, tokenizer, llm, tp_rank=rank % config.tensor_parallel_size, policy=policy)
         engine.sleep()
         return engine
 
     def sleep(self) -> None:
-        """CUDA: free the KV cache and offload the weights (level 1) while the actor trains."""
+        """CUDA: discard the KV cache and the weights (level 2) while the actor trains.
+
+        Level 1 would copy the weights to pinned host memory and back, only for the
+        sync after the update to overwrite them.
+        """
         if self.config.device_type == "cuda" and self.resident:
-            self.llm.sleep(level=1)
+            self.llm.sleep(level=2)
             self.resident = set()
+            self.weights_loaded = False
 
     def wake_up(self, tags: tuple[str, ...] = _WAKE_TAGS) -> None:
         """Bring ``tags`` back (all before generating; only the weights to overwrite them)."""
@@ -150,6 +182,12 @@ class VllmRollout:
         from vllm import SamplingParams as VllmSampling
         from vllm.inputs import TokensPrompt
 
+        if not self.weights_loaded:
+            # No update since the last sleep (a DAPO refill round, an evaluation, the first rollout):
+            # the policy's weights again. Collective, and reached at the same call on every rank.
+            moved = self.sync(self.policy)
+            if metrics is not None:
+                metrics.add_sum("perf/weight_sync_bytes", moved)
         self.wake_up()
         requests, sampling = [], []
         for prompt, group in zip(prompts, group_index):
@@ -169,9 +207,9 @@ class VllmRollout:
             seqs.append((list(out.prompt_token_ids), tokens))
             groups.append(group_index[k // params.n])
             log_probs.append(_sampled_log_probs(completion.logprobs, tokens))
-        batch = pack_responses(seqs, groups)
+        batch = pack_responses(seqs, groups, self.device)
         per_token = torch.tensor([x for (p, _), lp in zip(seqs, log_probs) for x in [0.0] * len(p) + lp],
-                                 dtype=torch.float32)
+                                 dtype=torch.float32, device=self.device)
         return batch.with_fields(token={"rollout_log_probs": per_token})
 
     @torch.no_grad()
@@ -201,6 +239,7 @@ class VllmRollout:
         if self.config.device_type == "cpu":
             self.llm.collective_rpc("apply_model", args=(_repack_kept_cpu_weights,))
         self.llm.reset_prefix_cache()  # cached prompt KV was computed with the old weights
+        self.weights_loaded = True
         return moved[0]
 
 

@@ -9,7 +9,9 @@ it. It imports pydantic and yaml only (never torch, kopf or kubernetes).
     models                  the sections (ModelSpec ... JobSpec) with per-field bounds
     pod, ray                the operator's sections (scheduling, template) and the Ray launcher's
     validation              checks across fields (sizes that divide, choices that agree)
-    loading                 YAML files, --set overrides, manifests; errors with field paths
+    defaults                the device-dependent defaults (bf16, TF32, HSDP, KV-sized rollout batches) on the worker
+    loading                 YAML files, --set overrides, manifests; errors with field paths; the
+                            operator/worker version-skew contract (what is rendered, what is ignored)
 
 A local run config is the same spec in a file: either a whole
 ``RLPostTrainJob`` manifest or just its ``spec``.
@@ -33,10 +35,15 @@ from distflow.spec.loading import (
     API_GROUP,
     API_VERSION,
     KIND,
+    SPEC_SCHEMA_VERSION,
     apply_overrides,
     dump_spec,
+    dump_spec_portable,
     load_job_spec,
+    load_rendered_spec,
     parse_spec,
+    parse_spec_ignoring_unknown,
+    render_spec_document,
     spec_from_manifest,
 )
 from distflow.spec.models import (
@@ -68,11 +75,12 @@ from distflow.spec.ray import RaySpec
 __all__ = [
     "ADVANTAGE_ESTIMATORS", "API_GROUP", "API_VERSION", "ARITHMETIC_SPLITS", "BUILTIN_REWARDS",
     "BUILTIN_WORKFLOWS", "GROUP_ESTIMATORS", "KIND", "KL_ESTIMATORS", "LOSS_AGG_MODES", "NODE_KINDS",
-    "NODE_ROLES", "POLICY_LOSSES", "TINY_TOKENIZERS", "WORKFLOW_DEFAULTS",
+    "NODE_ROLES", "POLICY_LOSSES", "SPEC_SCHEMA_VERSION", "TINY_TOKENIZERS", "WORKFLOW_DEFAULTS",
     "ActorSpec", "AlgorithmSpec", "CheckpointSpec", "ClusterSpec", "CriticSpec", "DataPlaneSpec", "DataSpec",
     "DatasetSpec", "ExitCodeRule", "FilterGroupsSpec", "JobSpec", "KLControlSpec", "ModelSpec",
     "OverlongBufferSpec", "PodTemplateSpec", "PvcVolumeSpec", "RaySpec", "RolloutSpec", "RunPolicySpec",
     "SchedulingSpec", "SecurityContextSpec", "SpecBase", "TopologySpreadSpec", "TrainerSpec",
     "ValSamplingSpec", "WorkflowNodeSpec", "WorkflowSpec",
-    "apply_overrides", "dump_spec", "load_job_spec", "parse_spec", "spec_from_manifest",
+    "apply_overrides", "dump_spec", "dump_spec_portable", "load_job_spec", "load_rendered_spec", "parse_spec",
+    "parse_spec_ignoring_unknown", "render_spec_document", "spec_from_manifest",
 ]

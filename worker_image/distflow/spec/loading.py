@@ -2,10 +2,24 @@
 
 Every validation error names the field path (``spec.data.trainBatchSize``) and
 the fix, and is raised as :class:`DistflowConfigError` before any worker starts.
+
+Version skew between the operator and the worker image is a contract, both ways:
+
+- the operator renders into the job's ConfigMap only the fields whose value
+  is not the default (:func:`dump_spec_portable`), with ``schemaVersion``:
+  an image of the previous release, which rejects fields it does not know,
+  reads it as long as the user sets no field that release lacks;
+- ``distflow node`` reads that ConfigMap with :func:`load_rendered_spec`,
+  which drops fields this image does not know and names them in a warning,
+  instead of failing the job as an invalid config (exit code 2). A user's own
+  file (``distflow run``/``validate``/``plan``) still rejects them: there an
+  unknown field is a typo.
 """
 
 from __future__ import annotations
 
+import copy
+import re
 from pathlib import Path
 from typing import Any
 
@@ -13,11 +27,19 @@ import yaml
 from pydantic import ValidationError
 
 from distflow.errors import DistflowConfigError
-from distflow.spec.models import JobSpec
+from distflow.spec.models import WORKFLOW_DEFAULTS, JobSpec
 
 API_GROUP = "distflow.io"
 API_VERSION = "v1alpha1"
 KIND = "RLPostTrainJob"
+JOB_NAME_PATTERN = r"^[a-z]([-a-z0-9]*[a-z0-9])?$"
+MAX_JOB_NAME_LENGTH = 53
+"""63 (DNS label) minus len('-node-4095'): the longest pod hostname must still fit."""
+KUBECTL_BOOLEAN_KEYS = ("y", "Y", "n", "N")
+"""Plain keys that kubectl's YAML 1.1 parser reads as booleans and PyYAML reads as strings: the
+manifest ``distflow validate`` passes would reach the API server with a key ``false``."""
+SPEC_SCHEMA_VERSION = 1
+"""The spec schema this package reads and renders; one more in every release that adds spec fields."""
 
 
 def _format_validation_error(err: ValidationError, root: str) -> list[str]:
@@ -54,6 +76,38 @@ def parse_spec(data: dict[str, Any], root: str = "spec") -> JobSpec:
         return JobSpec.model_validate(data)
     except ValidationError as err:
         raise DistflowConfigError(_format_validation_error(err, root)) from None
+
+
+def parse_spec_ignoring_unknown(data: Any, root: str = "spec") -> tuple[JobSpec, tuple[str, ...]]:
+    """Validate a spec written by a newer distflow: (the spec without the fields this version does
+    not know, their paths). Every other problem still counts.
+
+    Raises:
+        DistflowConfigError: listing the problems left once unknown fields are dropped.
+    """
+    try:
+        return parse_spec(data, root), ()
+    except DistflowConfigError as err:
+        if not isinstance(data, dict):
+            raise
+        failure = err
+    paths: list[tuple[Any, ...]] = []
+    try:
+        JobSpec.model_validate(data)
+    except ValidationError as err:
+        paths = [e["loc"] for e in err.errors() if e["type"] == "extra_forbidden"]
+    if not paths:
+        raise failure
+    pruned = copy.deepcopy(data)
+    for loc in paths:
+        parent = pruned
+        for key in loc[:-1]:
+            parent = parent[key] if isinstance(parent, dict) or isinstance(key, int) else None
+            if parent is None:
+                break
+        if isinstance(parent, dict):
+            parent.pop(loc[-1], None)
+    return parse_spec(pruned, root), tuple(".".join([root, *map(str, loc)]) for loc in paths)
 
 
 def spec_from_manifest(doc: dict[str, Any]) -> JobSpec:
@@ -111,16 +165,64 @@ def _override_value(key: str, raw: str) -> Any:
 def load_job_spec(path: str | Path, overrides: list[str] | None = None) -> JobSpec:
     """Load a local run config or an RLPostTrainJob manifest from YAML.
 
+    A manifest is also held to what the API server checks beyond the spec (:func:`manifest_problems`),
+    unless it is a document the operator rendered for its pods (it carries ``schemaVersion``).
+
     Raises:
-        DistflowConfigError: file missing, not YAML, or an invalid spec.
+        DistflowConfigError: file missing, not YAML, or an invalid spec or manifest.
     """
     path = Path(path)
+    doc = _read_document(path)
+    user_manifest = doc.get("kind") == KIND and "schemaVersion" not in doc
+    if user_manifest and (problems := manifest_problems(doc, path.read_text())):
+        raise DistflowConfigError([f"{path}: {problem}" for problem in problems])
+    return spec_from_manifest(apply_overrides(doc, overrides or []))
+
+
+def load_rendered_spec(path: str | Path) -> tuple[JobSpec, list[str]]:
+    """Load the spec the operator rendered into the job's ConfigMap (what ``distflow node`` reads):
+    (the spec, warnings). Fields this image does not know, from a newer operator, are dropped and
+    named in a warning rather than failing the node.
+
+    Raises:
+        DistflowConfigError: file missing, not YAML, or invalid for any other reason.
+    """
+    doc = _read_document(Path(path))
+    body = doc["spec"] if doc.get("kind") == KIND else doc
+    spec, unknown = parse_spec_ignoring_unknown(body, root="spec")
+    if not unknown:
+        return spec, []
+    rendered = doc.get("schemaVersion", "unknown")
+    return spec, [f"ignoring fields this worker image does not know: {', '.join(unknown)} (the operator "
+                  f"rendered spec schema {rendered}, this image reads {SPEC_SCHEMA_VERSION}); use a newer "
+                  "worker image (spec.template.image) for them to take effect"]
+
+
+def render_spec_document(spec: JobSpec) -> dict[str, Any]:
+    """What the operator writes into the job's ConfigMap: an RLPostTrainJob document whose spec holds
+    only the fields not at their default (:func:`dump_spec_portable`), and the schema version."""
+    return {"apiVersion": f"{API_GROUP}/{API_VERSION}", "kind": KIND, "schemaVersion": SPEC_SCHEMA_VERSION,
+            "spec": dump_spec_portable(spec)}
+
+
+def _read_document(path: Path) -> dict[str, Any]:
+    """The YAML mapping in ``path``.
+
+    Raises:
+        DistflowConfigError: file missing, not YAML, not a mapping, or a manifest without a spec.
+    """
     try:
         doc = yaml.safe_load(path.read_text())
     except FileNotFoundError:
         raise DistflowConfigError(f"{path}: no such file") from None
     except IsADirectoryError:
         raise DistflowConfigError(f"{path}: is a directory; give a YAML file") from None
+    except yaml.composer.ComposerError as err:
+        if "single document" not in str(err):
+            raise DistflowConfigError(f"{path}: not valid YAML: {err}") from None
+        raise DistflowConfigError(f"{path}: holds several YAML documents (---); distflow reads one run config or "
+                                  f"{KIND} per file: put the job in a file of its own (a RayJob bundle's job is "
+                                  "the job.yaml of its ConfigMap)") from None
     except yaml.YAMLError as err:
         raise DistflowConfigError(f"{path}: not valid YAML: {err}") from None
     except UnicodeDecodeError:
@@ -130,11 +232,75 @@ def load_job_spec(path: str | Path, overrides: list[str] | None = None) -> JobSp
     if not isinstance(doc, dict):
         raise DistflowConfigError(f"{path}: expected a mapping (a run config or an RLPostTrainJob), "
                                   f"got a YAML {type(doc).__name__}")
+    if "kind" in doc and doc["kind"] != KIND or "apiVersion" in doc and "kind" not in doc:
+        raise DistflowConfigError(
+            f"{path}: kind: {doc.get('kind')!r} is not a kind distflow reads; a manifest's kind is {KIND} "
+            f"(apiVersion {API_GROUP}/{API_VERSION}); a local run config has no kind or apiVersion")
     if doc.get("kind") == KIND and not isinstance(doc.get("spec"), dict):
         raise DistflowConfigError(f"{path}: the RLPostTrainJob has no spec mapping; add one")
-    return spec_from_manifest(apply_overrides(doc, overrides or []))
+    return doc
+
+
+def manifest_problems(doc: dict[str, Any], text: str) -> list[str]:
+    """What the API server (or kubectl) refuses in an RLPostTrainJob manifest that the spec model
+    cannot see: the apiVersion, metadata.name (the CRD's rule), and keys kubectl reads as booleans.
+
+    Returns:
+        One message per problem, each naming the field and the fix; empty when there is none.
+    """
+    problems = []
+    expected = f"{API_GROUP}/{API_VERSION}"
+    if doc.get("apiVersion") != expected:
+        problems.append(f"apiVersion: {doc.get('apiVersion')!r} is not served for {KIND}; write apiVersion: {expected}")
+    name = (doc.get("metadata") or {}).get("name") if isinstance(doc.get("metadata"), dict) else None
+    if not isinstance(name, str) or not name:
+        problems.append("metadata.name: missing; give the job a name (e.g. metadata: {name: grpo-tiny})")
+    elif len(name) > MAX_JOB_NAME_LENGTH or not re.match(JOB_NAME_PATTERN, name):
+        problems.append(f"metadata.name: {name!r} must start with a letter, contain only a-z, 0-9 and '-', and be "
+                        f"at most {MAX_JOB_NAME_LENGTH} characters (it names the Service and the pods "
+                        "<name>-node-<rank>)")
+    for key in _plain_keys(yaml.compose(text)):
+        if key.value in KUBECTL_BOOLEAN_KEYS:
+            problems.append(f"line {key.start_mark.line + 1}: the key {key.value} is unquoted, and kubectl reads a "
+                            f"bare {key.value} as a boolean; quote it: \"{key.value}\":")
+    return problems
+
+
+def _plain_keys(node: Any):
+    """Every unquoted scalar mapping key under the composed YAML ``node``."""
+    if isinstance(node, yaml.MappingNode):
+        for key, value in node.value:
+            if isinstance(key, yaml.ScalarNode) and key.style is None:
+                yield key
+            yield from _plain_keys(value)
+    elif isinstance(node, yaml.SequenceNode):
+        for item in node.value:
+            yield from _plain_keys(item)
 
 
 def dump_spec(spec: JobSpec) -> dict[str, Any]:
-    """The spec as a camelCase mapping (what the operator writes into the ConfigMap)."""
+    """The spec as a camelCase mapping, every field with its value."""
     return spec.model_dump(mode="json", by_alias=True, exclude_none=True)
+
+
+def dump_spec_portable(spec: JobSpec) -> dict[str, Any]:
+    """The smallest camelCase mapping that parses back to ``spec``: fields at their default are left
+    out, so a field a newer release adds reaches an older worker image only when the user sets it.
+
+    What a built-in workflow implies (``WORKFLOW_DEFAULTS``) is kept as set: left out, a value
+    equal to the field's default (advantageEstimator: grpo under workflow ppo) would be implied anew.
+    """
+    full = dump_spec(spec)
+    portable = spec.model_dump(mode="json", by_alias=True, exclude_none=True, exclude_defaults=True)
+    if not spec.workflow.nodes:
+        _copy_keys(WORKFLOW_DEFAULTS.get(spec.workflow.name, {}), full, portable)
+    return portable
+
+
+def _copy_keys(keys: dict[str, Any], source: dict[str, Any], target: dict[str, Any]) -> None:
+    """Copy into ``target`` the value in ``source`` of every (nested) key of ``keys``."""
+    for key, nested in keys.items():
+        if isinstance(nested, dict):
+            _copy_keys(nested, source.get(key) or {}, target.setdefault(key, {}))
+        elif key in source:
+            target[key] = source[key]

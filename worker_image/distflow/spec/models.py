@@ -33,14 +33,19 @@ class ModelSpec(SpecBase):
     master weight loses every update below its resolution (lr 1e-6 steps vanish)."""
     gradient_checkpointing: bool = False
     """Recompute activations in backward to save memory."""
-    mixed_precision: Literal["none", "bfloat16"] = "none"
+    mixed_precision: Literal["auto", "none", "bfloat16"] = "auto"
     """Compute dtype of forward/backward, FSDP all-gathers and rollout (FSDP2 MixedPrecisionPolicy);
-    none: model.dtype. bfloat16 halves the all-gathered bytes; master weights stay float32."""
+    none: model.dtype. bfloat16 halves the all-gathered bytes; master weights and gradient
+    reduction stay float32. auto: bfloat16 on cuda, none on cpu."""
+    tf32: bool | None = None
+    """cuda: float32 matmuls and convolutions in TF32 (torch's `allow_tf32`; 10-bit mantissa
+    inputs, float32 accumulation). None: on for cuda. Only for cuda."""
 
     @property
     def compute_dtype(self) -> str:
-        """The dtype the models compute and all-gather in: mixedPrecision, else dtype."""
-        return self.dtype if self.mixed_precision == "none" else self.mixed_precision
+        """The dtype the models compute and all-gather in: mixedPrecision, else dtype (auto
+        reads as none until ``resolve_device_defaults`` settles it for the device)."""
+        return self.dtype if self.mixed_precision in ("auto", "none") else self.mixed_precision
 
 
 class DatasetSpec(SpecBase):
@@ -139,9 +144,12 @@ class RolloutSpec(SpecBase):
     """vllm: truncated importance sampling (verl's `tis_imp_ratio_cap`): weight each token's
     policy loss by min(exp(old_log_prob - rollout_log_prob), cap), correcting for the engine's
     numerical mismatch with the actor. Off (None) by default; 2.0 is a usual cap."""
-    micro_batch_size: int = Field(default=64, ge=1)
+    micro_batch_size: int | None = Field(default=None, ge=1)
     """Sequences generated at once per rank: whole groups, `microBatchSize // n` prompts of
-    `n` samples (a group larger than this is split over calls of one prompt)."""
+    `n` samples (a group larger than this is split over calls of one prompt). None: 64 on cpu;
+    on cuda (hf engine) as many as the KV cache of `data.maxPromptLength + maxResponseLength`
+    tokens each fits in `gpuMemoryUtilization` of the GPU memory free once the models are
+    loaded, at 2 x layers x KV heads x head dim x dtype bytes per token (a multiple of `n`)."""
     share_prefill: bool = True
     """hf: run each prompt's prefill once for its group and copy its KV cache to the `n`
     samples, instead of once per sample. Only speed changes: the responses are the same up to
@@ -328,6 +336,14 @@ class ClusterSpec(SpecBase):
     """cuda uses NCCL, cpu uses gloo; auto picks cuda when available."""
     accelerators_per_node: int = Field(default=0, ge=0, le=64)
     """GPUs requested per pod (`nvidia.com/gpu`); 0 on CPU clusters."""
+    data_parallel_replicate_degree: int | None = Field(default=None, ge=1)
+    """FSDP2 replicas (HSDP, torchtitan's name): parameters are sharded within groups of
+    `dataParallelShardDegree` consecutive ranks and replicated across the groups, so the
+    per-layer all-gathers stay within a node. None: numNodes on cuda when numNodes > 1
+    (shard within a node, replicate across), else 1 (plain FSDP over every worker)."""
+    data_parallel_shard_degree: int | None = Field(default=None, ge=1)
+    """Ranks a parameter is sharded over (torchtitan's name); replicate x shard = the workers.
+    None: the workers / dataParallelReplicateDegree."""
 
 
 class DataPlaneSpec(SpecBase):
@@ -444,9 +460,10 @@ class JobSpec(SpecBase):
         if not isinstance(data, dict):
             return data
         workflow = data.get("workflow") or {}
-        if not isinstance(workflow, dict) or workflow.get("nodes"):
+        name = (workflow.get("name") or "grpo") if isinstance(workflow, dict) else None
+        if not isinstance(name, str) or workflow.get("nodes"):  # a name of the wrong type: field validation says so
             return data
-        return _with_defaults(data, WORKFLOW_DEFAULTS.get(workflow.get("name") or "grpo", {}))
+        return _with_defaults(data, WORKFLOW_DEFAULTS.get(name, {}))
 
     @model_validator(mode="after")
     def _sizes_fit(self) -> "JobSpec":

@@ -22,7 +22,8 @@ class RaySpec(SpecBase):
     """CPUs each worker's actor reserves (Ray's `num_cpus`)."""
     gpus_per_worker: float | None = Field(default=None, ge=0, le=64)
     """GPUs each worker's actor reserves. Unset: cluster.acceleratorsPerNode / procsPerNode, else 1 with
-    cluster.device cuda, else 0."""
+    cluster.device cuda, else 0. A GPU job needs a whole number: a fraction would let Ray put two ranks on
+    one GPU, so the launcher refuses it."""
     resources: dict[str, float] = Field(default_factory=dict)
     """Custom Ray resources each worker reserves (e.g. `{node_pool_a100: 1}`, set on the Ray nodes
     with `ray start --resources`), to place the job on particular nodes."""

@@ -50,10 +50,15 @@ def size_problems(spec: JobSpec):
                "unset it or use rollout.engine: vllm")
     yield from _algorithm_problems(spec)
     yield from _source_problems(spec)
+    yield from _device_problems(spec)
     estimator = spec.algorithm.advantage_estimator
     if estimator in GROUP_ESTIMATORS and spec.rollout.n < 2:
         yield (f"rollout.n: {estimator} compares each response with the others of its prompt, so with "
                f"{spec.rollout.n} response per prompt every advantage is 0; sample n >= 2 (4-16 is usual)")
+    if estimator in GROUP_ESTIMATORS and spec.rollout.n > 1 and spec.rollout.temperature == 0:
+        yield (f"rollout.temperature: 0 is greedy, so the {spec.rollout.n} responses of a prompt are identical "
+               f"and every {estimator} advantage is 0 (nothing is learned); sample with a temperature > 0 "
+               f"(1.0 is usual)")
 
 
 def _source_problems(spec: JobSpec):
@@ -100,3 +105,18 @@ def _algorithm_problems(spec: JobSpec):
     if spec.workflow.nodes is None and spec.workflow.name == "ppo" and alg.advantage_estimator != "gae":
         yield (f"algorithm.advantageEstimator: the ppo workflow trains its critic on GAE returns, "
                f"not {alg.advantage_estimator!r}; use gae (or workflow grpo/dapo)")
+
+
+def _device_problems(spec: JobSpec):
+    """FSDP2 degrees that do not tile the workers, and cuda-only settings on cpu."""
+    cluster, world = spec.cluster, spec.world_size
+    replicate, shard = cluster.data_parallel_replicate_degree, cluster.data_parallel_shard_degree
+    for name, degree in (("dataParallelReplicateDegree", replicate), ("dataParallelShardDegree", shard)):
+        if degree is not None and world % degree:
+            yield (f"cluster.{name}: {degree} does not divide the {world} workers (cluster.numNodes x "
+                   f"cluster.procsPerNode); pick a divisor of {world}")
+    if replicate is not None and shard is not None and replicate * shard != world:
+        yield (f"cluster.dataParallelShardDegree: {replicate} replicas x {shard} shards is not the {world} "
+               f"workers; set it to {world // replicate if world % replicate == 0 else 'a divisor'} or leave it unset")
+    if cluster.device == "cpu" and spec.model.tf32:
+        yield "model.tf32: TF32 is a cuda matmul mode; leave it unset on cluster.device: cpu"

@@ -23,9 +23,8 @@ The fields themselves, their shapes and who produces each, are declared in
 
 from __future__ import annotations
 
-import importlib
-
 from distflow.data.batch import PackedBatch
+from distflow.errors import UserFunctionError
 from distflow.names import NODE_ROLES, registry
 from distflow.planner import PlannedNode
 from distflow.stages.context import StageContext, StageModels, StageOutput
@@ -34,13 +33,18 @@ from distflow.stages.model_passes import run_old_log_prob, run_reference, run_va
 from distflow.stages.rollout import run_rollout
 from distflow.stages.scoring import build_kl_controller, run_advantage, run_reward, run_reward_shaping
 from distflow.stages.updates import run_actor_update, run_critic_update
+from distflow.user_functions import load_user_function
 
 
 def run_custom(ctx: StageContext, node: PlannedNode, batch: PackedBatch) -> StageOutput:
     """A user node: ``module:function`` taking and returning a PackedBatch."""
-    module_name, _, fn_name = (node.function or "").partition(":")
-    fn = getattr(importlib.import_module(module_name), fn_name)
-    out = fn(batch)
+    fn = load_user_function(node.function or "", f"workflow node {node.id!r} function")
+    try:
+        out = fn(batch)
+    except Exception as err:  # noqa: BLE001 - whatever the user's code raises, say where
+        raise UserFunctionError(f"workflow node {node.id!r}: {node.function} raised {type(err).__name__}: {err} "
+                                f"at step {ctx.step + 1}; fix the function, then run again: training resumes "
+                                "from the last checkpoint") from err
     if not isinstance(out, PackedBatch):
         raise TypeError(f"workflow node {node.id}: {node.function} returned {type(out).__name__}, "
                         "expected a PackedBatch")

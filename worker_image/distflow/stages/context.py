@@ -63,6 +63,8 @@ class StageContext:
     """The in-reward KL coefficient (stepped by reward shaping)."""
     regroup: Regroup
     """Moves samples between ranks mid-step (DAPO dynamic sampling; collective)."""
+    device: torch.device
+    """The worker's device: where the step's data lives and the stages build their tensors."""
     prompts: dict[int, PromptRecord] = field(default_factory=dict)
     """This step's prompt records by group index: the rollout fills it, scoring reads it."""
 

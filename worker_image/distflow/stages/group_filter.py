@@ -83,7 +83,7 @@ class _CandidatePool:
 
 
 def _global_count(ctx: StageContext, count: int) -> int:
-    return int(ctx.reduce(torch.tensor([float(count)], dtype=torch.float64))[0])
+    return int(ctx.reduce(torch.tensor([float(count)], dtype=torch.float64, device=ctx.device))[0])
 
 
 def _without_origin(batch: PackedBatch) -> PackedBatch:
@@ -112,7 +112,8 @@ def _refill_round(ctx: StageContext, rnd: int) -> PackedBatch:
     group_index = [base + ctx.rollout_dp_rank * len(records) + i for i in range(len(records))]
     batch = generate_round(ctx.models.rollout, ctx.tokenizer, spec, records, group_index, sampling_params(spec),
                            step_seed(spec.trainer.seed, ctx.step, rnd), ctx.metrics)
-    _, _, scores = score_responses(ctx.tokenizer, batch, dict(zip(group_index, records)), spec.data.reward_fn)
+    _, _, scores = score_responses(ctx.tokenizer, batch, dict(zip(group_index, records)), spec.data.reward_fn,
+                                   f"at step {ctx.step + 1}")
     out = score_fields(batch, scores)
     return batch.with_fields(token=out.token, sample=out.sample)
 
@@ -127,7 +128,7 @@ def _select_and_regroup(ctx: StageContext, node: PlannedNode, pool: _CandidatePo
         (this rank's groups after the move, groups padded in without signal, over all ranks).
     """
     n, rank = pool.group_size, ctx.rank
-    codes = torch.tensor([2 * rnd + int(signal) for signal, rnd in pool.meta], dtype=torch.int64)
+    codes = torch.tensor([2 * rnd + int(signal) for signal, rnd in pool.meta], dtype=torch.int64, device="cpu")
     candidates = [[(bool(c % 2), c // 2) for c in part.tolist()] for part in allgather_lengths(codes)]
     target = plan_group_selection(candidates, ctx.spec.data.train_batch_size)
     first = sum(len(c) for c in candidates[:rank])

@@ -29,23 +29,26 @@ from distflow.stages.context import StageContext, StageOutput
 
 
 def score_responses(tokenizer, batch: PackedBatch, record_of: Mapping[int, PromptRecord],
-                    reward_fn: str | None) -> tuple[list[str], list[PromptRecord], list[float]]:
-    """Each response's text, its prompt's record (by ``group_index``) and its reward, in batch order."""
+                    reward_fn: str | None, where: str) -> tuple[list[str], list[PromptRecord], list[float]]:
+    """Each response's text, its prompt's record (by ``group_index``) and its reward, in batch order.
+
+    ``where`` (``at step 3``) goes into the message of a reward function that raises."""
     texts = response_texts(tokenizer, batch)
     records = [record_of[g] for g in batch.sample_fields["group_index"].tolist()]
-    return texts, records, compute_scores(texts, records, reward_fn)
+    return texts, records, compute_scores(texts, records, reward_fn, where)
 
 
 def score_fields(batch: PackedBatch, scores: Sequence[float]) -> StageOutput:
     """``scores`` [B] and ``token_level_scores`` [T_total]: each outcome on its sample's last token."""
-    per_sample = torch.tensor(scores, dtype=torch.float32)
-    token_scores = torch.zeros(batch.num_tokens, dtype=torch.float32)
+    per_sample = torch.tensor(scores, dtype=torch.float32, device=batch.device)
+    token_scores = torch.zeros(batch.num_tokens, dtype=torch.float32, device=batch.device)
     token_scores[batch.cu_seqlens(dtype=torch.long)[1:] - 1] = per_sample
     return StageOutput(token={"token_level_scores": token_scores}, sample={"scores": per_sample})
 
 
 def run_reward(ctx: StageContext, node: PlannedNode, batch: PackedBatch) -> StageOutput:
-    _, _, scores = score_responses(ctx.tokenizer, batch, ctx.prompts, ctx.spec.data.reward_fn)
+    _, _, scores = score_responses(ctx.tokenizer, batch, ctx.prompts, ctx.spec.data.reward_fn,
+                                   f"at step {ctx.step + 1}")
     out = score_fields(batch, scores)
     per_sample = out.sample["scores"]
     ctx.metrics.add_mean("critic/score/mean", per_sample.double().sum(), per_sample.numel())
@@ -86,7 +89,7 @@ def _kl_in_reward(ctx: StageContext, mb: model_ops.MicroBatch, rewards: torch.Te
                                         model_ops.window_field(mb, "ref_log_probs"), mb.response_mask,
                                         beta, ctx.spec.algorithm.kl_penalty)
     num = mb.response_mask.shape[0]
-    sums = ctx.reduce(torch.tensor([float(mean_kl) * num, float(num)], dtype=torch.float64))
+    sums = ctx.reduce(torch.tensor([float(mean_kl) * num, float(num)], dtype=torch.float64, device=ctx.device))
     global_kl = float(sums[0] / sums[1].clamp_min(1.0))
     ctx.kl_ctrl.update(global_kl, int(sums[1]))
     ctx.metrics.add_mean("actor/reward_kl_penalty", global_kl, 1.0)

@@ -1,0 +1,75 @@
+"""Pre-flight: what can be checked of a job before any worker starts.
+
+``distflow validate`` runs it, and so does every launcher (local, env, ray)
+before it starts a worker: the plan, the model source, the data files (they
+exist, and their first record reads as a prompt), and the user's functions
+(the reward function and custom workflow nodes' functions are imported).
+Each problem is a :class:`DistflowConfigError` naming the field and the fix.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from distflow.errors import DistflowConfigError
+from distflow.spec import JobSpec
+
+BUILTIN_TASKS = ("arithmetic",)
+
+
+def preflight(spec: JobSpec) -> None:
+    """Check the plan, the model source, the data files and the user functions of ``spec``.
+
+    Raises:
+        DistflowConfigError: an invalid workflow, a model source no worker could load, a data file
+            that is missing, has an unknown extension, is empty, or whose first record does not read
+            as a prompt, or a reward / custom node function that cannot be imported.
+    """
+    from distflow.models import model_source_problem
+    from distflow.planner import build_plan
+
+    build_plan(spec)
+    if problem := model_source_problem(spec.model.path):
+        raise DistflowConfigError(f"spec.{problem}")
+    if problems := list(data_problems(spec)) + list(function_problems(spec)):
+        raise DistflowConfigError(problems)
+
+
+def data_problems(spec: JobSpec):
+    """``spec.data.<train|eval>.path: ...`` for each data file that no worker could read."""
+    from distflow.data.sources import DATA_SUFFIXES, data_file_problem
+
+    for name, ds in (("train", spec.data.train), ("eval", spec.data.eval)):
+        if ds is None or ds.arithmetic_split is not None:
+            continue
+        field = f"spec.data.{name}.path"
+        if Path(ds.path).is_dir():
+            yield (f"{field}: {ds.path!r} is a directory; give one .jsonl or .parquet file in it "
+                   f"(e.g. --set data.{name}.path={Path(ds.path) / 'train.jsonl'})")
+        elif not Path(ds.path).is_file():
+            yield (f"{field}: no such file {ds.path!r}; give an existing .jsonl or .parquet file "
+                   f"(e.g. --set data.{name}.path=PATH) or a built-in task: {', '.join(BUILTIN_TASKS)}")
+        elif Path(ds.path).suffix.lower() not in DATA_SUFFIXES:
+            yield (f"{field}: {ds.path!r} is not a .jsonl, .json or .parquet file; "
+                   "convert it (one JSON object per line, or parquet)")
+        elif problem := data_file_problem(ds.path):
+            yield f"{field}: {ds.path!r} {problem}"
+
+
+def function_problems(spec: JobSpec):
+    """``spec.data.rewardFn`` / ``spec.workflow.nodes[i].function``: each user function that
+    does not import (imported here, so a typo fails now rather than in every worker)."""
+    from distflow.rewards import load_reward_fn
+    from distflow.user_functions import load_user_function
+
+    if spec.data.reward_fn is not None:
+        try:
+            load_reward_fn(spec.data.reward_fn)
+        except ValueError as err:
+            yield f"spec.data.rewardFn: {err}"
+    for i, node in enumerate(spec.workflow.nodes or ()):
+        if node.role == "custom" and node.function:
+            try:
+                load_user_function(node.function, f"workflow node {node.id!r} function")
+            except ValueError as err:
+                yield f"spec.workflow.nodes[{i}].function: {err}"
