@@ -1,12 +1,13 @@
 """Rank 0's progress bar starts at the step training starts from: a resumed run's checkpoint step, not 0."""
 
+import contextlib
 import io
 
 import pytest
 from rich.console import Console
 
 from distflow import worker as worker_module
-from distflow.launcher import ProgressPrinter
+from distflow.progress import ProgressPrinter
 from distflow.spec import parse_spec
 from distflow.worker import DagWorker, WorkerEnv
 
@@ -46,6 +47,7 @@ def _stand_in_worker(tmp_path, total_steps: int) -> DagWorker:
                            resume=True)
     worker.step, worker.exporter, worker.writer, worker.is_logger = 0, None, None, False
     worker.run_step = lambda: {"training/step": worker.step + 1}
+    worker.device_guard = contextlib.nullcontext()
     worker._log_trained_ids = lambda: None
     return worker
 
@@ -66,3 +68,53 @@ def test_printer_of_a_run_resumed_at_its_last_step_is_stopped(tmp_path, monkeypa
     printer = ProgressPrinter(14, console=Console(file=io.StringIO(), color_system=None))
     assert _stand_in_worker(tmp_path, total_steps=14).train(printer) == []
     assert printer.bar.tasks[0].completed == 14 and not printer.bar.live.is_started
+
+
+def test_without_a_terminal_each_step_prints_one_line_in_verls_format():
+    from distflow.progress import StepLinePrinter, progress_printer
+
+    log = io.StringIO()  # what `distflow run ... > run.log` gives rank 0: no terminal
+    printer = progress_printer(30, log)
+    assert isinstance(printer, StepLinePrinter)
+    printer(12, {})
+    printer(13, {"critic/score/mean": 0.5, "perf/throughput": 812.44, "timing_s/step": 2.251, "actor/lr": 1e-6})
+    printer(14, {"critic/score/mean": 0.75, "perf/throughput": 790.0, "timing_s/step": 2.0, "eval/score": 0.625})
+    assert log.getvalue().splitlines() == [
+        "step:12/30 - training starts",
+        "step:13/30 - critic/score/mean:0.500 - perf/throughput:812.4 - timing_s/step:2.25",
+        "step:14/30 - critic/score/mean:0.750 - perf/throughput:790.0 - timing_s/step:2.00 - eval/score:0.625",
+    ]
+
+
+def test_each_pods_first_worker_prints_step_lines(monkeypatch, capsys):
+    """`distflow node` (the env launcher): `kubectl logs` of any node pod shows the run's progress."""
+    from distflow import launcher
+
+    spec = parse_spec({"model": {"path": "tiny"}, "data": {"train": {"path": "arithmetic"}},
+                       "trainer": {"totalSteps": 5}, "cluster": {"numNodes": 2, "procsPerNode": 2}})
+    given = {}
+    monkeypatch.setattr(worker_module, "run_worker", lambda spec, env, progress: given.update({env.rank: progress}))
+    base = WorkerEnv(rank=2, world_size=4, local_rank=0, local_world_size=2, node_rank=1, num_nodes=2,
+                     master_addr="node-0", master_port=29500, job_name="job", model_dir="", device_index=0)
+    for local_rank in (0, 1):
+        launcher._node_worker_main(local_rank, spec, base, 2, 0)
+    assert given[3] is None  # one printer per pod
+    given[2](1, {"critic/score/mean": 0.25, "perf/throughput": 100.0, "timing_s/step": 3.0})
+    assert capsys.readouterr().out == "step:1/5 - critic/score/mean:0.250 - perf/throughput:100.0 - timing_s/step:3.00\n"
+
+
+@pytest.mark.parametrize("terminal", [True, False])
+def test_a_run_that_ends_early_closes_either_printer(terminal):
+    """The Ray driver closes its printer when the workers stop, whatever it is."""
+    from distflow.progress import StepLinePrinter, progress_printer
+
+    class Stream(io.StringIO):
+        def isatty(self):
+            return terminal
+
+    printer = progress_printer(30, Stream())
+    assert isinstance(printer, ProgressPrinter if terminal else StepLinePrinter)
+    printer(3, {})
+    printer.close()
+    if terminal:
+        assert not printer.bar.live.is_started

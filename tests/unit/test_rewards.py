@@ -199,3 +199,23 @@ def test_arithmetic_concise_pays_most_for_the_asked_format(response, score):
     from distflow.rewards import arithmetic_concise_reward
 
     assert arithmetic_concise_reward(response, "17") == score
+
+
+def test_a_reward_function_of_another_signature_is_refused_when_loaded(tmp_path):
+    (tmp_path / "one_arg.py").write_text("def score(response):\n    return 1.0\n"
+                                         "def loose(*args, **kwargs):\n    return 1.0\n")
+    with pytest.raises(ValueError) as err:
+        load_reward_fn(f"{tmp_path / 'one_arg.py'}:score")
+    assert str(err.value) == (
+        f"reward '{tmp_path / 'one_arg.py'}:score': {tmp_path / 'one_arg.py'}.score(response) cannot be called as "
+        "score(response, ground_truth, extra_info) (too many positional arguments); give it that signature")
+    assert load_reward_fn(f"{tmp_path / 'one_arg.py'}:loose")("x", "y", {}) == 1.0
+
+
+def test_a_missing_function_lists_at_most_twenty_names_of_its_module():
+    with pytest.raises(ValueError) as err:
+        load_reward_fn("os:no_such_function")
+    message = str(err.value)
+    assert message.startswith("reward 'os:no_such_function': module 'os' has no function 'no_such_function'; it has [")
+    listed = message.split("it has ")[1]
+    assert listed.count("'") == 2 * 21 and listed.endswith(" more']")

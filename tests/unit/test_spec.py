@@ -128,7 +128,7 @@ def test_registry_rejects_a_table_that_differs_from_the_declared_names():
 
 
 def test_preflight_rejects_missing_data_file_and_cycle_before_workers(tmp_path):
-    from distflow.launcher import preflight
+    from distflow.preflight import preflight
 
     spec = parse_spec({**MINIMAL, "data": {"train": {"path": str(tmp_path / "nope.jsonl")}}})
     with pytest.raises(DistflowConfigError, match=r"spec.data.train.path: no such file"):
@@ -189,7 +189,7 @@ def test_group_estimator_with_one_response_per_prompt_is_rejected():
 
 
 def test_preflight_checks_reward_function_and_data_format(tmp_path):
-    from distflow.launcher import preflight
+    from distflow.preflight import preflight
 
     with pytest.raises(DistflowConfigError, match="spec.data.rewardFn: reward 'no_such_module:f'"):
         preflight(parse_spec({**MINIMAL, "data": {**MINIMAL["data"], "rewardFn": "no_such_module:f"}}))
@@ -202,7 +202,7 @@ def test_preflight_checks_reward_function_and_data_format(tmp_path):
 
 
 def test_preflight_rejects_model_paths_no_worker_could_load(tmp_path):
-    from distflow.launcher import preflight
+    from distflow.preflight import preflight
 
     for path, message in ((str(tmp_path / "nope"), "not a local directory"), (str(tmp_path), "no config.json"),
                           ("gguf:/nope.gguf", "no such file")):
