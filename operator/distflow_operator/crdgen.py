@@ -75,8 +75,13 @@ _HANDLED = set(_COPIED) | {"title", "default", "properties", "required", "additi
                            "items", "exclusiveMinimum", "exclusiveMaximum", "$ref", "anyOf"}
 
 _WORLD = "(self.cluster.numNodes * self.cluster.procsPerNode)"
+_POOLED = "(has(self.async) && has(self.async.enable) && self.async.enable)"
+_ROLLOUT_NODES = "(has(self.async.rolloutPool) && has(self.async.rolloutPool.numNodes) ? self.async.rolloutPool.numNodes : 1)"
+# The workers that generate and the workers that train: all of them, or each pool's (async.enable).
+_GEN_WORLD = f"({_POOLED} ? {_ROLLOUT_NODES} * self.cluster.procsPerNode : {_WORLD})"
+_TRAIN_WORLD = f"({_POOLED} ? {_WORLD} - {_ROLLOUT_NODES} * self.cluster.procsPerNode : {_WORLD})"
 _TP = "self.rollout.tensorParallelSize"
-_DP = f"({_WORLD} / {_TP} > 1 ? {_WORLD} / {_TP} : 1)"
+_DP = f"({_GEN_WORLD} / {_TP} > 1 ? {_GEN_WORLD} / {_TP} : 1)"
 _MINI = "self.actor.ppoMiniBatchSize"
 _BATCH = "self.data.trainBatchSize"
 _REPLICATE = "self.cluster.dataParallelReplicateDegree"
@@ -86,13 +91,17 @@ SPEC_RULES: list[dict[str, str]] = [
     # Mirror distflow.spec.validation.size_problems: same fields, same fixes. The numbers stay in
     # pydantic's messages only: a messageExpression with string(int) exceeds the API
     # server's CEL cost budget (it estimates such strings as unbounded).
-    {"rule": f"{_TP} < 1 || {_WORLD} % {_TP} == 0",
+    {"rule": f"!{_POOLED} || {_ROLLOUT_NODES} < self.cluster.numNodes",
+     "message": "async.rolloutPool.numNodes: leaves no node to train; use fewer than cluster.numNodes",
+     "fieldPath": ".async.rolloutPool.numNodes", "reason": "FieldValueInvalid"},
+    {"rule": f"{_TP} < 1 || {_GEN_WORLD} % {_TP} == 0",
      "message": "rollout.tensorParallelSize: must divide the workers (cluster.numNodes x "
-                "cluster.procsPerNode); pick a divisor of that product",
+                "cluster.procsPerNode; the rollout pool's with async.enable); pick a divisor of that product",
      "fieldPath": ".rollout.tensorParallelSize", "reason": "FieldValueInvalid"},
     {"rule": f"{_TP} < 1 || {_BATCH} % {_DP} == 0",
      "message": "data.trainBatchSize: prompts cannot be split evenly over the rollout dp ranks "
-                "(cluster.numNodes x cluster.procsPerNode / rollout.tensorParallelSize); use a multiple of them",
+                "(cluster.numNodes x cluster.procsPerNode / rollout.tensorParallelSize; the rollout pool's "
+                "with async.enable); use a multiple of them",
      "fieldPath": ".data.trainBatchSize", "reason": "FieldValueInvalid"},
     {"rule": f"!has({_MINI}) || {_MINI} < 1 || {_BATCH} % {_MINI} == 0",
      "message": "actor.ppoMiniBatchSize: does not divide data.trainBatchSize; use a divisor of it",
@@ -100,12 +109,12 @@ SPEC_RULES: list[dict[str, str]] = [
     {"rule": f"self.rollout.engine != 'hf' || {_TP} == 1",
      "message": "rollout.tensorParallelSize: the hf engine runs with 1; set it to 1",
      "fieldPath": ".rollout.tensorParallelSize", "reason": "FieldValueInvalid"},
-    *({"rule": f"!has(self.cluster.{name}) || self.cluster.{name} < 1 || {_WORLD} % self.cluster.{name} == 0",
+    *({"rule": f"!has(self.cluster.{name}) || self.cluster.{name} < 1 || {_TRAIN_WORLD} % self.cluster.{name} == 0",
        "message": f"cluster.{name}: must divide the workers (cluster.numNodes x cluster.procsPerNode); "
                   "pick a divisor of that product",
        "fieldPath": f".cluster.{name}", "reason": "FieldValueInvalid"}
       for name in ("dataParallelReplicateDegree", "dataParallelShardDegree")),
-    {"rule": f"!has({_REPLICATE}) || !has({_SHARD}) || {_REPLICATE} * {_SHARD} == {_WORLD}",
+    {"rule": f"!has({_REPLICATE}) || !has({_SHARD}) || {_REPLICATE} * {_SHARD} == {_TRAIN_WORLD}",
      "message": "cluster.dataParallelShardDegree: replicas x shards must be the workers "
                 "(cluster.numNodes x cluster.procsPerNode); set it so, or leave it unset",
      "fieldPath": ".cluster.dataParallelShardDegree", "reason": "FieldValueInvalid"},

@@ -67,11 +67,14 @@ def install(worker) -> None:
         return
     import torch.distributed as dist
 
-    _rank, model, optimizer = worker.rank, worker.actor.model, worker.actor.optimizer
+    _rank = worker.rank
     raw = os.environ.get("DISTFLOW_CHAOS")
     _plan = parse(raw) if raw else None
-    model.register_forward_pre_hook(lambda *_: hit("forward"))
-    optimizer.register_step_post_hook(lambda *_: hit("optimizer"))
+    if worker.actor is not None:
+        worker.actor.model.register_forward_pre_hook(lambda *_: hit("forward"))
+        worker.actor.optimizer.register_step_post_hook(lambda *_: hit("optimizer"))
+    else:  # a rollout pool worker (distflow.pools): its replica's forwards are generation steps
+        worker.replica.register_forward_pre_hook(lambda *_: hit("forward"))
     for name in ("all_to_all", "all_to_all_single"):
         original = getattr(dist, name)
 

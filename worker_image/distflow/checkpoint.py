@@ -215,7 +215,8 @@ def save(root: str | os.PathLike, step: int, worker, keep_last: int) -> str:
     error = _agree(error)
     if error is None:
         try:
-            dcp.save(_train_state(worker), checkpoint_id=store.location(work))
+            if worker.trains:  # a rollout pool (distflow.pools) holds no trained state
+                dcp.save(_train_state(worker), checkpoint_id=store.location(work), process_group=worker.train_group)
             with store.fs.open(store.path(work, f"rank_{rank:05d}.pt"), "wb") as f:
                 torch.save({"rng": _rng_state()}, f)
         except (Exception, CheckpointException) as err:  # noqa: BLE001 - every rank must reach _agree
@@ -325,10 +326,11 @@ def load_latest(root: str | os.PathLike, worker) -> int:
         return 0
     with store.fs.open(store.path(name, "trainer.json"), "rb") as f:
         meta = json.loads(f.read())
-    state = _train_state(worker)
-    dcp.load(state, checkpoint_id=store.location(name))
-    set_state_dict(worker.actor.model, worker.actor.optimizer,
-                   model_state_dict=state["model"], optim_state_dict=state["optim"])
+    if worker.trains:
+        state = _train_state(worker)
+        dcp.load(state, checkpoint_id=store.location(name), process_group=worker.train_group)
+        set_state_dict(worker.actor.model, worker.actor.optimizer,
+                       model_state_dict=state["model"], optim_state_dict=state["optim"])
     if worker.critic is not None:
         set_state_dict(worker.critic.model, worker.critic.optimizer,
                        model_state_dict=state["critic"], optim_state_dict=state["critic_optim"])
@@ -343,5 +345,6 @@ def load_latest(root: str | os.PathLike, worker) -> int:
         print(f"distflow: the step-{meta['step']} checkpoint was written by {saved_world} workers and is "
               f"resharded onto {dist.get_world_size()}; the data stream continues at {meta['loader']}",
               flush=True)
-    worker.rollout.sync(worker.actor.model)
+    if worker.actor is not None:  # a rollout pool's replicas get the weights from the trainer pool's sync
+        worker.rollout.sync(worker.actor.model)
     return int(meta["step"])

@@ -118,18 +118,27 @@ class DataCoordinator:
             holdings.append(list(range(offset, offset + lens.numel())))
             offset += lens.numel()
         flat = torch.cat(lengths).tolist() if lengths else []
+        source = self.plan.layouts[self.placement]
+        cross = target is None and source.first_rank != layout.first_rank  # rollout pool -> trainer pool
+        # Across pools, plan as if the rollout ranks were the trainer ranks (their order kept): the
+        # same target as sync mode on as many ranks computes from the same samples.
+        view = pool_view(holdings, source, layout) if cross else holdings
         if target is None:
             extra = torch.cat(metadata.rows)[:, 1:].tolist() if columns else []
             if share:
                 groups = prompt_groups(extra, layout.dp_size)
-                target = (self._balance_groups(holdings, flat, groups, layout.dp_size) if groups is not None
-                          else self._balance_samples(holdings, flat, layout.dp_size))
+                target = (self._balance_groups(view, flat, groups, layout.dp_size) if groups is not None
+                          else self._balance_samples(view, flat, layout.dp_size))
             elif layout.balanced:
-                target = self._balance_samples(holdings, flat, layout.dp_size)
+                target = self._balance_samples(view, flat, layout.dp_size)
             elif to_origin:
                 target = _back_to_origin(holdings, extra)
+            elif cross:
+                target = even_split([gid for held in view for gid in held], layout.dp_size)
             else:
                 target = holdings
+            if cross:
+                target = from_pool_view(target, layout, len(holdings))
         self.last_plan_digest = plan_digest(target)
         if self.centralized:
             plan = plan_redistribution(holdings, target)  # the root rebuilds every rank's batch
@@ -218,6 +227,44 @@ def prompt_groups(rows: list[list[int]], dp_size: int) -> list[tuple[list[int], 
     if len(sizes) != 1 or sizes == {1} or len(members) % dp_size:
         return None
     return [(m, prompt[g]) for g, m in sorted(members.items(), key=lambda kv: kv[1][0])]
+
+
+def pool_view(holdings: list[list[int]], source, dest) -> list[list[int]]:
+    """The source pool's holdings as if its ranks were ``dest``'s: ``source``'s ranks in order,
+    padded with empty ranks to at least ``dest.num_ranks``.
+
+    Args:
+        holdings: [W] global sample ids each world rank holds.
+        source, dest: ``planner.Layout`` of the two pools.
+    """
+    view = [list(h) for h in holdings[source.first_rank: source.first_rank + source.num_ranks]]
+    return view + [[] for _ in range(dest.num_ranks - len(view))]
+
+
+def from_pool_view(target: list[list[int]], dest, world_size: int) -> list[list[int]]:
+    """A target over ``dest``'s ranks (its first ``dest.num_ranks`` entries) as a target over the
+    world: rank ``dest.first_rank + r`` gets ``target[r]``, every other rank nothing.
+
+    Raises:
+        ValueError: the target gives samples to a rank beyond ``dest``'s.
+    """
+    if any(target[dest.num_ranks:]):
+        raise ValueError(f"the target gives samples to ranks beyond the {dest.num_ranks} of pool {dest.name}")
+    out: list[list[int]] = [[] for _ in range(world_size)]
+    for r in range(dest.num_ranks):
+        out[dest.first_rank + r] = list(target[r])
+    return out
+
+
+def even_split(ids: list[int], num_ranks: int) -> list[list[int]]:
+    """``ids`` in order, cut into ``num_ranks`` contiguous parts whose sizes differ by at most one."""
+    base, extra = divmod(len(ids), num_ranks)
+    out, start = [], 0
+    for r in range(num_ranks):
+        size = base + (r < extra)
+        out.append(ids[start: start + size])
+        start += size
+    return out
 
 
 def _back_to_origin(holdings: list[list[int]], origins: list[list[int]]) -> list[list[int]]:

@@ -57,18 +57,19 @@ class StepMetrics:
             key = f"timing_s/{stage}"
             self._timings[key] = self._timings.get(key, 0.0) + time.perf_counter() - start
 
-    def reduce(self, device: torch.device) -> dict[str, float]:
-        """Global metrics: means weighted by counts, sums summed, max/min/timings extremal."""
+    def reduce(self, device: torch.device, group=None) -> dict[str, float]:
+        """Global metrics over ``group`` (default: the world): means weighted by counts, sums
+        summed, max/min/timings extremal."""
         mean_keys, sum_keys = sorted(self._means), sorted(self._sums)
         max_keys = sorted(self._maxes) + sorted(self._timings)
         sums = torch.tensor([v for k in mean_keys for v in self._means[k]] +
                             [self._sums[k] for k in sum_keys], dtype=torch.float64)
         maxes = torch.tensor([self._maxes[k] for k in sorted(self._maxes)] +
                              [self._timings[k] for k in sorted(self._timings)], dtype=torch.float64)
-        if dist.is_initialized() and dist.get_world_size() > 1:
+        if dist.is_initialized() and dist.get_world_size(group) > 1:
             sums, maxes = sums.to(device), maxes.to(device)
-            dist.all_reduce(sums)
-            dist.all_reduce(maxes, op=dist.ReduceOp.MAX)
+            dist.all_reduce(sums, group=group)
+            dist.all_reduce(maxes, op=dist.ReduceOp.MAX, group=group)
             sums, maxes = sums.cpu(), maxes.cpu()
         out: dict[str, float] = {}
         for i, k in enumerate(mean_keys):

@@ -42,10 +42,20 @@ class Layout:
     dp_size: int
     tp_size: int
     balanced: bool
+    first_rank: int = 0
+    """Its ranks are ``first_rank .. first_rank + dp_size * tp_size - 1`` (a pool; 0: every rank)."""
+
+    @property
+    def num_ranks(self) -> int:
+        return self.dp_size * self.tp_size
+
+    def holds(self, rank: int) -> bool:
+        """Whether ``rank`` runs this layout's nodes."""
+        return self.first_rank <= rank < self.first_rank + self.num_ranks
 
     def dp_rank(self, rank: int) -> int:
         """The dp rank of a global rank (tp ranks of one replica are contiguous)."""
-        return rank // self.tp_size
+        return (rank - self.first_rank) // self.tp_size
 
 
 @dataclass(frozen=True)
@@ -75,6 +85,13 @@ class Plan:
     layouts: dict[str, Layout] = field(hash=False, compare=True)
     world_size: int = 1
     num_nodes: int = 1
+    staleness: int | None = None
+    """``async.maxStaleness`` when the job trains on two pools (``distflow.pools``), else None."""
+
+    @property
+    def pooled(self) -> bool:
+        """Whether rollout and training run on separate pools of ranks (``async.enable``)."""
+        return self.staleness is not None
 
     def node(self, node_id: str) -> PlannedNode:
         return next(n for n in self.chain if n.id == node_id)
@@ -85,19 +102,30 @@ class Plan:
 
     def describe(self) -> str:
         """A human-readable rendering (what `distflow plan` prints)."""
-        lines = [f"world size {self.world_size} = {self.num_nodes} nodes x "
-                 f"{self.world_size // self.num_nodes} workers"]
+        per_node = self.world_size // self.num_nodes
+        lines = [f"world size {self.world_size} = {self.num_nodes} nodes x {per_node} workers"]
+        if self.pooled:
+            lines.append(f"asynchronous: maxStaleness={self.staleness} (the rollout pool runs up to "
+                         f"{self.staleness} steps ahead of the trainer pool)")
         for lay in self.layouts.values():
+            where = ""
+            if self.pooled:
+                last = lay.first_rank + lay.num_ranks - 1
+                where = (f" pool={'trainer' if lay.name == TRAIN else 'rollout'} ranks {lay.first_rank}-{last} "
+                         f"nodes {lay.first_rank // per_node}-{last // per_node}")
             lines.append(f"layout {lay.name:8s} dp={lay.dp_size} tp={lay.tp_size} "
-                         f"balanced={'yes' if lay.balanced else 'no'}")
+                         f"balanced={'yes' if lay.balanced else 'no'}{where}")
         lines.append("task chain:")
         for i, n in enumerate(self.chain):
             deps = ", ".join(n.deps) or "-"
             lines.append(f"  {i}. {n.id:14s} role={n.role:12s} kind={n.kind:9s} "
                          f"placement={n.placement:8s} deps={deps}")
         lines.append("edges:")
+        placement = {n.id: n.placement for n in self.chain}
         for e in self.edges:
             how = "local-cache" if e.local_cache else "redistribute"
+            if self.pooled and placement[e.src] != placement[e.dst]:
+                how += " (cross-pool: rollout ranks -> trainer ranks, token-balanced)"
             lines.append(f"  {e.src} -> {e.dst}: {how}")
         return "\n".join(lines)
 
@@ -106,7 +134,8 @@ def same_samples(a: Layout, b: Layout) -> bool:
     """Whether two layouts put every sample on the same dp rank (then an edge moves nothing)."""
     if a == b:
         return True
-    return not a.balanced and not b.balanced and a.dp_size == b.dp_size and a.tp_size == b.tp_size
+    return (not a.balanced and not b.balanced and a.dp_size == b.dp_size and a.tp_size == b.tp_size
+            and a.first_rank == b.first_rank)
 
 
 def _node(id_, role, kind, deps=(), **options) -> WorkflowNodeSpec:
@@ -166,8 +195,11 @@ def builtin_workflow(name: str, spec: JobSpec) -> list[WorkflowNodeSpec]:
 
 
 def _needs_old_log_probs(spec: JobSpec) -> bool:
+    """Several optimizer steps per batch, or stale samples to correct (``async.offPolicyCorrection:
+    tis`` weighs by the trainer's policy before the update over the rollout's)."""
     mini = spec.actor.ppo_mini_batch_size or spec.data.train_batch_size
-    return spec.actor.ppo_epochs > 1 or mini < spec.data.train_batch_size
+    stale = spec.async_.enable and spec.async_.max_staleness > 0 and spec.async_.off_policy_correction == "tis"
+    return spec.actor.ppo_epochs > 1 or mini < spec.data.train_batch_size or stale
 
 
 def _validate_nodes(nodes: list[WorkflowNodeSpec]) -> list[str]:
@@ -366,6 +398,13 @@ def build_plan(spec: JobSpec) -> Plan:
         ROLLOUT: Layout(ROLLOUT, world // tp, tp, balanced=False),
         TRAIN: Layout(TRAIN, world, 1, balanced=spec.data_plane.balance and world > 1),
     }
+    if spec.async_.enable:
+        rollout_ranks = spec.async_.rollout_pool.num_nodes * spec.cluster.procs_per_node
+        trainers = world - rollout_ranks
+        layouts = {  # the trainer pool first: rank 0 (logging, checkpoints) trains
+            ROLLOUT: Layout(ROLLOUT, rollout_ranks // tp, tp, balanced=False, first_rank=trainers),
+            TRAIN: Layout(TRAIN, trainers, 1, balanced=spec.data_plane.balance, first_rank=0),
+        }
     placement: dict[str, str] = {}
     for n in _topological(nodes):
         placement[n.id] = _placement(n, spec, placement)
@@ -378,7 +417,32 @@ def build_plan(spec: JobSpec) -> Plan:
                                 n.function, dict(n.options)) for n in chain)
     edges = tuple(PlannedEdge(d, n.id, same_samples(layouts[placement[d]], layouts[n.placement]))
                   for n in planned for d in n.deps)
-    return Plan(planned, edges, layouts, world_size=world, num_nodes=spec.cluster.num_nodes)
+    if spec.async_.enable and (problems := _pool_problems(planned)):
+        raise DistflowConfigError(problems)
+    return Plan(planned, edges, layouts, world_size=world, num_nodes=spec.cluster.num_nodes,
+                staleness=spec.async_.max_staleness if spec.async_.enable else None)
+
+
+def _pool_problems(chain: Sequence[PlannedNode]) -> list[str]:
+    """With two pools the chain must be a rollout part, then a trainer part: the samples cross
+    from the rollout pool to the trainer pool once per step, and never back."""
+    problems = []
+    first_train = next((i for i, n in enumerate(chain) if n.placement == TRAIN), None)
+    if first_train is None:
+        return ["async.enable: no node of the workflow trains (placement train); "
+                "the trainer pool would have nothing to do"]
+    for n in chain[first_train:]:
+        if n.placement != TRAIN:
+            problems.append(f"async.enable: node {n.id!r} (role {n.role}) needs the rollout placement after "
+                            f"{chain[first_train].id!r} has moved the samples to the trainer pool; "
+                            "with two pools the samples cross once per step (run it before, or set "
+                            "async.enable: false)")
+    for n in chain[:first_train]:
+        if n.role == "filter_groups":
+            problems.append(f"async.enable: node {n.id!r} (dynamic sampling, algorithm.filterGroups) regenerates "
+                            "within the step, which the asynchronous mode does not support yet; disable "
+                            "algorithm.filterGroups or set async.enable: false")
+    return problems
 
 
 def _topological(nodes: list[WorkflowNodeSpec]) -> list[WorkflowNodeSpec]:

@@ -63,6 +63,27 @@ def init(device: torch.device, init_method: str, rank: int, world_size: int) -> 
                             world_size=world_size)
 
 
+_POOL_GROUP = None
+
+
+def set_pool_group(group) -> None:
+    """The group of this worker's pool (``distflow.pools``): the ranks that run the same part of
+    the plan at the same time. The chain's own collectives (metric reductions, loss
+    normalizers, micro-batch counts) run over it; None (sync mode): the world group."""
+    global _POOL_GROUP
+    _POOL_GROUP = group
+
+
+def pool_group():
+    """The group set by ``set_pool_group`` (None: the world group)."""
+    return _POOL_GROUP
+
+
+def pool_size() -> int:
+    """Ranks of this worker's pool (1 without a process group)."""
+    return dist.get_world_size(_POOL_GROUP) if dist.is_initialized() else 1
+
+
 class CollectiveBytes:
     """Bytes of the all-gathers and reduce-scatters this process has run (FSDP2's weight
     gathers and gradient reductions, and any other caller's), counted at the call.
@@ -78,13 +99,13 @@ class CollectiveBytes:
 
 
 def max_over_ranks(value: int) -> int:
-    """The largest ``value`` of any rank of the world group (an all-reduce MAX of a CPU
-    tensor, which gloo serves on CPU and CUDA runs alike: no device sync); ``value``
-    itself without a group of two or more."""
-    if not (dist.is_initialized() and dist.get_world_size() > 1):
+    """The largest ``value`` of any rank of this worker's pool (``pool_group``; an all-reduce
+    MAX of a CPU tensor, which gloo serves on CPU and CUDA runs alike: no device sync);
+    ``value`` itself without a group of two or more."""
+    if pool_size() < 2:
         return value
     buf = torch.tensor([value], dtype=torch.int64)
-    dist.all_reduce(buf, op=dist.ReduceOp.MAX)
+    dist.all_reduce(buf, op=dist.ReduceOp.MAX, group=_POOL_GROUP)
     return int(buf)
 
 

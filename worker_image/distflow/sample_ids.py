@@ -43,10 +43,11 @@ def gather(ids: list[int]) -> list[int]:
     return sorted(i for part in parts for i in part)
 
 
-def append(log_dir: str | Path, step: int, ids: list[int]) -> None:
+def append(log_dir: str | Path, step: int, ids: list[int], extra: dict | None = None) -> None:
+    """One step's line; ``extra`` adds keys (asynchronous mode: each sample's ``policy_versions``)."""
     path = Path(log_dir) / FILE
     with path.open("a") as f:
-        f.write(json.dumps({"step": step, "ids": ids}) + "\n")
+        f.write(json.dumps({"step": step, "ids": ids, **(extra or {})}) + "\n")
 
 
 def drop_after(log_dir: str | Path, step: int) -> None:

@@ -131,6 +131,13 @@ def _seed_everything(seed: int) -> None:
 
 
 class DagWorker:
+    trains = True
+    """Whether this worker trains (every worker in sync mode; the trainer pool's, ``distflow.pools``)."""
+    train_group = None
+    """The process group of the training ranks (None: the world)."""
+    replica = None
+    """A rollout pool worker's own policy copy (``distflow.pools``); None here."""
+
     def __init__(self, spec: JobSpec, env: WorkerEnv):
         self.spec, self.env = spec, env
         self.plan = build_plan(spec)
@@ -212,9 +219,10 @@ class DagWorker:
         if spec.rollout.micro_batch_size is not None:
             return
         compute = DTYPES[spec.model.compute_dtype]
-        gathered = fsdp.unsharded_nbytes(self.actor_model, compute) if self.rollout.shared else 0
+        model = self.actor_model if self.actor_model is not None else self.replica  # a rollout pool's replica
+        gathered = fsdp.unsharded_nbytes(model, compute) if self.rollout.shared else 0
         free = max(0, torch.cuda.mem_get_info(self.device)[0] - gathered)
-        config = self.actor_model.config.get_text_config(decoder=True)
+        config = model.config.get_text_config(decoder=True)
         heads = config.num_attention_heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
         per_token = kv_cache_bytes_per_token(config.num_hidden_layers, getattr(config, "num_key_value_heads", None)
@@ -498,7 +506,12 @@ class DagWorker:
 def run_worker(spec: JobSpec, env: WorkerEnv, progress=None) -> list[dict[str, float]]:
     """Entry point of one worker process."""
     configure_malloc()
-    worker = DagWorker(spec, env)
+    if spec.async_.enable:
+        from distflow.pools.worker import PoolWorker
+
+        worker = PoolWorker(spec, env)
+    else:
+        worker = DagWorker(spec, env)
     try:
         history = worker.train(progress)
     except BaseException:

@@ -112,6 +112,9 @@ class Actor:
         stats = {"rollout/actor_logp_diff/mean": diff.sum() / mask.sum().clamp(min=1),
                  "rollout/actor_logp_diff/max": diff.max()}
         cap = self.spec.rollout.tis_imp_ratio_cap
+        stale = self.spec.async_
+        if cap is None and stale.enable and stale.max_staleness > 0 and stale.off_policy_correction == "tis":
+            cap = stale.tis_cap  # the rollout pool's stale weights are the behaviour policy
         if cap is not None:
             pg_losses = pg_losses * truncated_is_weights(old, rollout, cap)
         return pg_losses, stats

@@ -32,6 +32,7 @@ from torch.distributed.tensor import DTensor
 
 
 from distflow.engines.model_ops import eval_mode
+from distflow import process_group
 from distflow.process_group import backend_for, collective_bytes
 
 
@@ -73,6 +74,17 @@ def dp_mesh(device: torch.device, world_size: int, replicate: int = 1) -> Device
         return init_device_mesh(device.type, (world_size,), mesh_dim_names=("dp",))
     return init_device_mesh(device.type, (replicate, world_size // replicate),
                             mesh_dim_names=("dp_replicate", "dp_shard"))
+
+
+def pool_mesh(device: torch.device, num_ranks: int, replicate: int = 1) -> DeviceMesh:
+    """``dp_mesh`` over ranks ``0 .. num_ranks - 1`` of a larger world (the trainer pool,
+    ``distflow.pools``). Collective over the world: every rank builds it (the others are
+    non-participating ranks of the mesh), so every rank creates the same process groups."""
+    ranks = torch.arange(num_ranks)
+    if replicate == 1:
+        return DeviceMesh(device.type, ranks, mesh_dim_names=("dp",))
+    return DeviceMesh(device.type, ranks.view(replicate, num_ranks // replicate),
+                      mesh_dim_names=("dp_replicate", "dp_shard"))
 
 
 def set_tf32(enabled: bool) -> None:
@@ -264,8 +276,9 @@ def grad_norm_and_clip(model: torch.nn.Module, max_norm: float) -> float:
 
 
 def all_reduce_sum(values: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """Sum a small float64 vector over all ranks (metadata-sized)."""
+    """Sum a small float64 vector over the ranks of this worker's pool (metadata-sized; every
+    rank in sync mode, ``process_group.pool_group``)."""
     buf = values.to(device=device, dtype=torch.float64)
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(buf)
+    if process_group.pool_size() > 1:
+        dist.all_reduce(buf, group=process_group.pool_group())
     return buf.cpu()

@@ -172,10 +172,19 @@ def rollout_copy(model_dir: str | os.PathLike, actor: torch.nn.Module, device: t
     every update), not read from disk: no rank holds the checkpoint's full state dict beside
     the copy, which the engine needs whole to generate.
     """
+    copy = rollout_replica(model_dir, device, dtype)
+    sync_rollout_weights(actor, copy)
+    return copy
+
+
+def rollout_replica(model_dir: str | os.PathLike, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
+    """An unsharded model of ``model_dir``'s architecture in ``dtype`` on ``device``, in eval mode,
+    its parameters allocated but NOT filled: the caller copies weights in (``rollout_copy`` from
+    the actor's shards; a rollout pool worker from the trainer pool's weight sync,
+    ``distflow.pools.weight_sync``). Buffers (rotary frequencies) are the config's."""
     copy = empty_causal_lm(model_dir, dtype)
     _allocate(copy, device, {name: buf.clone() for name, buf in copy.named_buffers()})
     copy.tie_weights()  # to_empty gives each module its own tensor, untying lm_head from the embeddings
-    sync_rollout_weights(actor, copy)
     copy.generation_config = _generation_config(Path(model_dir), copy.generation_config)
     return copy.eval()
 

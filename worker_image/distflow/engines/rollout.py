@@ -48,6 +48,10 @@ class SamplingParams:
     share_prefill: bool = True
     """Prefill each prompt once per chunk, not once per sample (``rollout.sharePrefill``).
     Falls back to the per-sample prefill where the model or transformers does not support it."""
+    record_log_probs: bool = False
+    """Add ``rollout_log_probs``: each sampled token's log-prob under the generating weights at
+    ``temperature`` (before top-k/top-p, what the actor recomputes): the behaviour policy of
+    asynchronous training's off-policy correction (``async.offPolicyCorrection``)."""
 
 
 log = logging.getLogger(__name__)
@@ -139,18 +143,27 @@ class _PerSampleSampler:
         self.seeds = np.asarray(seeds, dtype=np.uint64)
         self.prompt_width = prompt_width
         self.warpers = [TemperatureLogitsWarper(params.temperature)]
+        self.record = params.record_log_probs
+        self.log_probs: list[torch.Tensor] = []
+        """With ``record_log_probs``: [B] float32 per generated position, the sampled token's
+        log-prob at the temperature (before top-k/top-p)."""
         if params.top_k:
             self.warpers.append(TopKLogitsWarper(params.top_k))
         if params.top_p < 1.0:
             self.warpers.append(TopPLogitsWarper(params.top_p))
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-        for warp in self.warpers:
+        tempered = None
+        for i, warp in enumerate(self.warpers):
             scores = warp(input_ids, scores)
+            if i == 0:
+                tempered = scores
         cdf = torch.softmax(scores.float(), dim=-1).cumsum(dim=-1)  # [B, V]
         u = torch.from_numpy(sample_uniforms(self.seeds, input_ids.shape[1] - self.prompt_width))
         target = (u.to(cdf.device, cdf.dtype) * cdf[:, -1]).unsqueeze(-1)
         token = torch.searchsorted(cdf, target).clamp_(max=scores.shape[-1] - 1)  # [B, 1]
+        if self.record:
+            self.log_probs.append(torch.log_softmax(tempered.float(), dim=-1).gather(-1, token)[:, 0].cpu())
         return torch.full_like(scores, float("-inf")).scatter_(-1, token, 0.0)
 
 
@@ -175,27 +188,38 @@ def generate(model, tokenizer, prompts: list[list[int]], group_index: list[int],
     eos_ids = eos_token_ids(model, tokenizer)
     kwargs = dict(max_new_tokens=params.max_new_tokens, pad_token_id=pad_id, eos_token_id=eos_ids, do_sample=False)
     share = params.share_prefill and _supports_shared_prefill(model)
-    seqs, meta = [], []
+    seqs, meta, behaviour = [], [], []
     done = [0] * len(prompts)  # responses of each prompt generated so far (a group may span chunks)
+    record = params.record_log_probs and params.temperature > 0
     for chunk in _group_chunks(len(prompts), params.n, params.micro_batch_size):
         reps = chunk[0][1]  # the same for every prompt of a chunk
         ids, mask = _left_pad([prompts[i] for i, _ in chunk], pad_id)
         width = ids.shape[1]
+        sampler = None
         if params.temperature > 0:
             seeds = [sample_seed(seed, group_index[i], done[i] + j) for i, _ in chunk for j in range(reps)]
-            kwargs["logits_processor"] = LogitsProcessorList([_PerSampleSampler(seeds, width, params)])
+            sampler = _PerSampleSampler(seeds, width, params)
+            kwargs["logits_processor"] = LogitsProcessorList([sampler])
         cache = _shared_prefill(model, ids, mask, reps, device) if share and reps > 1 and width > 1 else None
         prefilled = {} if cache is None else {"cache": cache}
         out = model.generate(input_ids=ids.repeat_interleave(reps, dim=0).to(device),
                              attention_mask=mask.repeat_interleave(reps, dim=0).to(device),
                              **prefilled, **kwargs).cpu()
+        positions = torch.stack(sampler.log_probs, 1) if record and sampler.log_probs else None  # [rows, steps]
         for row, (i, _) in enumerate(chunk):
             done[i] += reps
             for j in range(reps):
                 resp = _trim_response(out[row * reps + j, width:], eos_ids, pad_id)
                 seqs.append((prompts[i], resp))
                 meta.append(group_index[i])
-    return pack_responses(seqs, meta, device)
+                if record:
+                    behaviour.append(positions[row * reps + j, :len(resp)] if positions is not None
+                                     else torch.zeros(0))
+    batch = pack_responses(seqs, meta, device)
+    if record:  # 0 on prompt tokens, as the vllm engine's
+        per_token = torch.cat([t for (p, _), lp in zip(seqs, behaviour) for t in (torch.zeros(len(p)), lp)])
+        batch = batch.with_fields(token={"rollout_log_probs": per_token.to(device, torch.float32)})
+    return batch
 
 
 def _group_chunks(num_prompts: int, n: int, micro_batch_size: int) -> list[list[tuple[int, int]]]:

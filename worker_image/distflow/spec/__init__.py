@@ -70,6 +70,7 @@ from distflow.spec.models import (
     WorkflowSpec,
 )
 from distflow.spec.pod import PodTemplateSpec, PvcVolumeSpec, SchedulingSpec, SecurityContextSpec, TopologySpreadSpec
+from distflow.spec.pools import AsyncSpec, RolloutPoolSpec
 from distflow.spec.ray import RaySpec
 
 __all__ = [
@@ -78,7 +79,7 @@ __all__ = [
     "NODE_ROLES", "POLICY_LOSSES", "SPEC_SCHEMA_VERSION", "TINY_TOKENIZERS", "WORKFLOW_DEFAULTS",
     "ActorSpec", "AlgorithmSpec", "CheckpointSpec", "ClusterSpec", "CriticSpec", "DataPlaneSpec", "DataSpec",
     "DatasetSpec", "ExitCodeRule", "FilterGroupsSpec", "JobSpec", "KLControlSpec", "ModelSpec",
-    "OverlongBufferSpec", "PodTemplateSpec", "PvcVolumeSpec", "RaySpec", "RolloutSpec", "RunPolicySpec",
+    "AsyncSpec", "OverlongBufferSpec", "PodTemplateSpec", "PvcVolumeSpec", "RaySpec", "RolloutPoolSpec", "RolloutSpec", "RunPolicySpec",
     "SchedulingSpec", "SecurityContextSpec", "SpecBase", "TopologySpreadSpec", "TrainerSpec",
     "ValSamplingSpec", "WorkflowNodeSpec", "WorkflowSpec",
     "apply_overrides", "dump_spec", "dump_spec_portable", "load_job_spec", "load_rendered_spec", "parse_spec",

@@ -17,6 +17,7 @@ from pydantic.alias_generators import to_snake
 from distflow.names import ADVANTAGE_ESTIMATORS, KL_ESTIMATORS, LOSS_AGG_MODES, POLICY_LOSSES
 from distflow.spec.base import SpecBase
 from distflow.spec.pod import PodTemplateSpec, SchedulingSpec
+from distflow.spec.pools import AsyncSpec
 from distflow.spec.ray import RaySpec
 from distflow.spec.validation import check_choice, size_problems
 
@@ -449,6 +450,8 @@ class JobSpec(SpecBase):
     """Pod overrides (operator)."""
     ray: RaySpec = Field(default_factory=RaySpec)
     """Workers as actors on an existing Ray cluster (`distflow run` only; the operator ignores it)."""
+    async_: AsyncSpec = Field(default_factory=AsyncSpec, alias="async")
+    """Asynchronous training on a rollout pool and a trainer pool (off by default)."""
 
     @property
     def world_size(self) -> int:

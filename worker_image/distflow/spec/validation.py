@@ -21,8 +21,23 @@ def check_choice(path: str, value: str, choices: tuple[str, ...]) -> None:
         raise ValueError(f"{path}: unknown {value!r}; choose one of {', '.join(choices)}")
 
 
+def rollout_world(spec: JobSpec) -> int:
+    """Workers that generate: all of them, or the rollout pool's (``async.enable``)."""
+    if spec.async_.enable:
+        return spec.async_.rollout_pool.num_nodes * spec.cluster.procs_per_node
+    return spec.world_size
+
+
+def train_world(spec: JobSpec) -> int:
+    """Workers that train (FSDP2 ranks): all of them, or the trainer pool's (``async.enable``)."""
+    return spec.world_size - rollout_world(spec) if spec.async_.enable else spec.world_size
+
+
 def size_problems(spec: JobSpec):
-    world = spec.world_size
+    if spec.async_.enable and (problems := list(_pool_problems(spec))):
+        yield from problems
+        return
+    world = rollout_world(spec)
     batch = spec.data.train_batch_size
     tp = spec.rollout.tensor_parallel_size
     if world % tp:
@@ -59,6 +74,23 @@ def size_problems(spec: JobSpec):
         yield (f"rollout.temperature: 0 is greedy, so the {spec.rollout.n} responses of a prompt are identical "
                f"and every {estimator} advantage is 0 (nothing is learned); sample with a temperature > 0 "
                f"(1.0 is usual)")
+
+
+def _pool_problems(spec: JobSpec):
+    """The asynchronous mode's pools: both non-empty, and what it does not combine with yet."""
+    pool, nodes = spec.async_.rollout_pool, spec.cluster.num_nodes
+    if pool.num_nodes >= nodes:
+        yield (f"async.rolloutPool.numNodes: {pool.num_nodes} of the job's {nodes} nodes (cluster.numNodes) "
+               f"leaves none to train; use at most {nodes - 1}, or raise cluster.numNodes")
+    if spec.rollout.engine != "hf":
+        yield ("rollout.engine: the asynchronous mode generates with the hf engine for now; set rollout.engine: "
+               "hf or async.enable: false")
+    if spec.data_plane.mode == "centralized":
+        yield ("dataPlane.mode: centralized routes every edge through rank 0, which trains in the "
+               "asynchronous mode; use distributed or async.enable: false")
+    if spec.async_.off_policy_correction == "tis" and spec.rollout.tis_imp_ratio_cap is not None:
+        yield ("rollout.tisImpRatioCap: the asynchronous mode's correction has its own cap (async.tisCap); "
+               "unset rollout.tisImpRatioCap")
 
 
 def _source_problems(spec: JobSpec):
@@ -109,7 +141,7 @@ def _algorithm_problems(spec: JobSpec):
 
 def _device_problems(spec: JobSpec):
     """FSDP2 degrees that do not tile the workers, and cuda-only settings on cpu."""
-    cluster, world = spec.cluster, spec.world_size
+    cluster, world = spec.cluster, train_world(spec)
     replicate, shard = cluster.data_parallel_replicate_degree, cluster.data_parallel_shard_degree
     for name, degree in (("dataParallelReplicateDegree", replicate), ("dataParallelShardDegree", shard)):
         if degree is not None and world % degree:

@@ -65,6 +65,9 @@ class StageContext:
     """Moves samples between ranks mid-step (DAPO dynamic sampling; collective)."""
     device: torch.device
     """The worker's device: where the step's data lives and the stages build their tensors."""
+    policy_version: int | None = None
+    """Asynchronous mode (``distflow.pools``): the version of the weights the rollout generates
+    with (optimizer steps taken); the rollout stamps it on every sample. None: sync mode."""
     prompts: dict[int, PromptRecord] = field(default_factory=dict)
     """This step's prompt records by group index: the rollout fills it, scoring reads it."""
 

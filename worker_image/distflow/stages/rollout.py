@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from typing import Sequence
 
+import torch
+
 from distflow.data.batch import PackedBatch
 from distflow.data.records import PromptRecord
 from distflow.engines.rollout import SamplingParams, render_prompts, step_seed
@@ -25,8 +27,10 @@ def sampling_params(spec: JobSpec, held_out: bool = False) -> SamplingParams:
     """How a round samples: ``rollout`` for training, ``rollout.val`` for the held-out set."""
     r, data = spec.rollout, spec.data
     s = r.val if held_out else r
+    stale = spec.async_.enable and spec.async_.max_staleness > 0 and spec.async_.off_policy_correction == "tis"
     return SamplingParams(s.n, s.temperature, s.top_p, s.top_k, data.max_response_length,
-                          r.micro_batch_size, share_prefill=r.share_prefill)
+                          r.micro_batch_size, share_prefill=r.share_prefill,
+                          record_log_probs=stale and not held_out)
 
 
 def generate_round(rollout, tokenizer, spec: JobSpec, records: Sequence[PromptRecord], group_index: list[int],
@@ -59,4 +63,7 @@ def run_rollout(ctx: StageContext, node: PlannedNode, batch: None) -> StageOutpu
     ctx.metrics.add_mean("response_length/clip_ratio", clipped.sum(), resp.numel())
     prompt = generated.sample_fields["prompt_len"].double()
     ctx.metrics.add_mean("prompt_length/mean", prompt.sum(), prompt.numel())
+    if ctx.policy_version is not None:
+        version = torch.full((generated.num_samples,), ctx.policy_version, dtype=torch.long, device=generated.device)
+        generated = generated.with_fields(sample={"policy_version": version})
     return StageOutput(batch=generated)
