@@ -282,6 +282,12 @@ CONFLICTS: list[tuple[str, str, dict]] = [
     ("unknown loss aggregation", "spec.algorithm.lossAggMode", {"algorithm": {"lossAggMode": "mean"}}),
     ("unknown workflow", "spec.workflow.name", {"workflow": {"name": "grpo2"}}),
     ("unknown built-in reward", "spec.data.rewardFn", {"data": {"rewardFn": "gsm9k"}}),
+    ("rollout pool of every node", "spec.async.rolloutPool.numNodes",
+     {"async": {"enable": True, "rolloutPool": {"numNodes": 64}}}),
+    ("asynchronous mode with vllm", "spec.rollout.engine",
+     {"async": {"enable": True}, "cluster": {"numNodes": 2}, "rollout": {"engine": "vllm"}}),
+    ("asynchronous mode with dynamic sampling", "spec.async.enable",
+     {"async": {"enable": True}, "cluster": {"numNodes": 2}, "algorithm": {"filterGroups": {"enable": True}}}),
     ("custom workflow with a cycle", "spec.workflow.nodes", {"workflow": {"nodes": [
         {"id": "gen", "role": "rollout", "kind": "inference", "deps": ["train"]},
         {"id": "score", "role": "reward", "kind": "compute", "deps": ["gen"]},

@@ -28,8 +28,10 @@ class Attempt:
     output: str
 
 
-def run_job(job_dir: Path, chaos: str | None = None, tally: Path | None = None, timeout_s: float = 600) -> Attempt:
-    """One launcher process (its own session, so every worker it left behind can be waited for)."""
+def run_job(job_dir: Path, chaos: str | None = None, tally: Path | None = None, timeout_s: float = 600,
+            sections: dict | None = None) -> Attempt:
+    """One launcher process (its own session, so every worker it left behind can be waited for),
+    running ``tiny_job_spec(job_dir, "job", **sections)`` (default: ``JOB``)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("DISTFLOW_CHAOS")}
     env["PYTHONPATH"] = os.pathsep.join([str(REPO / "worker_image"), str(REPO / "operator"), str(REPO)])
     if chaos:
@@ -39,7 +41,7 @@ def run_job(job_dir: Path, chaos: str | None = None, tally: Path | None = None, 
     job_dir.mkdir(parents=True, exist_ok=True)
     log = job_dir / "launcher.log"
     with log.open("a") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "tests.dist._chaos", str(job_dir), json.dumps(JOB)],
+        proc = subprocess.Popen([sys.executable, "-m", "tests.dist._chaos", str(job_dir), json.dumps(sections or JOB)],
                                 cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
         try:
             returncode = proc.wait(timeout=timeout_s)

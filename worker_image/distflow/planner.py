@@ -429,17 +429,17 @@ def _pool_problems(chain: Sequence[PlannedNode]) -> list[str]:
     problems = []
     first_train = next((i for i, n in enumerate(chain) if n.placement == TRAIN), None)
     if first_train is None:
-        return ["async.enable: no node of the workflow trains (placement train); "
+        return ["spec.async.enable: no node of the workflow trains (placement train); "
                 "the trainer pool would have nothing to do"]
     for n in chain[first_train:]:
         if n.placement != TRAIN:
-            problems.append(f"async.enable: node {n.id!r} (role {n.role}) needs the rollout placement after "
+            problems.append(f"spec.async.enable: node {n.id!r} (role {n.role}) needs the rollout placement after "
                             f"{chain[first_train].id!r} has moved the samples to the trainer pool; "
                             "with two pools the samples cross once per step (run it before, or set "
                             "async.enable: false)")
     for n in chain[:first_train]:
         if n.role == "filter_groups":
-            problems.append(f"async.enable: node {n.id!r} (dynamic sampling, algorithm.filterGroups) regenerates "
+            problems.append(f"spec.async.enable: node {n.id!r} (dynamic sampling, algorithm.filterGroups) regenerates "
                             "within the step, which the asynchronous mode does not support yet; disable "
                             "algorithm.filterGroups or set async.enable: false")
     return problems
