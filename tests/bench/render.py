@@ -273,6 +273,56 @@ def render_e2e(result: dict) -> str:
             f"from the medians as warm-up):\n\n{per_run}")
 
 
+def render_async(result: dict) -> str:
+    """Section 9: ``tests.bench.async_pools``."""
+    if "error" in result:
+        return f"**Not measured:** {result['error']}"
+    from tests.bench import async_pools
+
+    s, summ = result["settings"], result["summary"]
+    a = summ["async"]
+    table = md_table(["mode", "median step (s)", "generate (s)", "train (s)", "step / max(generate, train)"],
+                     [["sync (2 workers generate, then train)", f"{summ['sync']['median_step_seconds']:.2f}",
+                       "", "", ""],
+                      [f"async (1 trainer + 1 rollout worker, maxStaleness {s['max_staleness']})",
+                       f"{a['median_step_seconds']:.2f}", f"{a['median_generate_seconds']:.2f}",
+                       f"{a['median_train_seconds']:.2f}", f"**{a['median_step_over_floor']:.2f}**"]])
+    steps = sorted(int(k) for k in summ["curves"]["sync"])
+    curve = md_table(["step", *[f"sync seed {r['seed']}" for r in result["runs"]["sync"]],
+                      *[f"async seed {r['seed']}" for r in result["runs"]["async"]], "async mean within sync's spread"],
+                     [[k, *[f"{v:.3f}" for v in summ["curves"]["sync"][str(k)]],
+                       *[f"{v:.3f}" for v in summ["curves"]["async"][str(k)]],
+                       "yes" if summ["async_mean_within_sync_spread"][str(k)] else "no"] for k in steps])
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(6, 3.6))
+    for mode, color in (("sync", "tab:blue"), ("async", "tab:orange")):
+        for r in result["runs"][mode]:
+            xs, ys = zip(*r["eval"])
+            ax.plot(xs, ys, color=color, alpha=0.35, lw=1)
+        mean = [sum(summ["curves"][mode][str(k)]) / len(summ["curves"][mode][str(k)]) for k in steps]
+        ax.plot(steps, mean, color=color, lw=2.2, label=f"{mode} (mean of {len(result['runs'][mode])} seeds)")
+    ax.set_xlabel("step")
+    ax.set_ylabel("held-out score (mean@4)")
+    ax.legend()
+    plot = save_figure(fig, "async_convergence.png")
+    return (f"{async_pools.__doc__.split(chr(10) + chr(10), 1)[1].strip()}
+
+Settings: {s}. Order: "
+            f"{', '.join(f'{m} {seed}' for m, seed in result['order'])}.
+
+{table}
+
+"
+            f"Async / sync step time: sync step {summ['sync']['median_step_seconds']:.2f} s, async step "
+            f"{a['median_step_seconds']:.2f} s (**{summ['speedup']:.2f}x**).
+
+Held-out score:
+
+{curve}
+
+{plot}")
+
+
 def render_memory(result: dict) -> str:
     if "error" in result:
         return f"**Not measured:** {result['error']}"

@@ -24,7 +24,7 @@ import pytest
 from distflow import sample_ids
 from distflow.metrics import read_jsonl
 from tests.dist._chaos import run_job as run_launcher
-from tests.dist._jobs import bit_identical, run_job, tiny_job_spec
+from tests.dist._jobs import bit_identical, run_job, tiny_job_spec, varied_prompts
 
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(1800)]
 
@@ -34,14 +34,22 @@ def pooled(staleness: int, rollout_nodes: int = 1, **extra) -> dict:
                       **extra}}
 
 
+def held_out(tmp_path) -> dict:
+    """A held-out set of 6 prompts, evaluated at steps 0 and the last (by the trainer pool)."""
+    return {"eval": {"path": varied_prompts(tmp_path / "eval.jsonl", n=6)}}
+
+
 def test_staleness_zero_trains_bit_identically_to_sync_mode(tmp_path):
-    sync_state, _ = run_job(tiny_job_spec(tmp_path, "sync"), "sync")
-    spec = tiny_job_spec(tmp_path, "pooled", **pooled(0, rollout_nodes=2),
+    sync_state, sync_records = run_job(tiny_job_spec(tmp_path, "sync", data=held_out(tmp_path)), "sync")
+    spec = tiny_job_spec(tmp_path, "pooled", **pooled(0, rollout_nodes=2), data=held_out(tmp_path),
                          cluster={"numNodes": 4, "procsPerNode": 1, "device": "cpu"})
     pooled_state, records = run_job(spec, "pooled")
     assert bit_identical(pooled_state, sync_state)
     assert sample_ids.read(tmp_path / "pooled") == sample_ids.read(tmp_path / "sync")
-    assert [r["async/staleness_max"] for r in records] == [0.0, 0.0]
+    assert [r["async/staleness_max"] for r in records if "async/staleness_max" in r] == [0.0, 0.0]
+    # the 2 trainers evaluate what the 2 sync workers did (per-sample seeds): the same scores
+    assert [r["eval/score"] for r in records if "eval/score" in r] == \
+        [r["eval/score"] for r in sync_records if "eval/score" in r]
 
 
 def _lines(log_dir) -> list[dict]:
@@ -49,8 +57,9 @@ def _lines(log_dir) -> list[dict]:
 
 
 def test_trained_samples_lag_by_at_most_max_staleness_and_the_rollout_runs_ahead(tmp_path):
-    spec = tiny_job_spec(tmp_path, "stale2", **pooled(2), trainer={"totalSteps": 5})
+    spec = tiny_job_spec(tmp_path, "stale2", **pooled(2), trainer={"totalSteps": 5}, data=held_out(tmp_path))
     _, records = run_job(spec, "stale2")
+    records = [r for r in records if "timing_s/step" in r]  # the step-0 evaluation has its own record
     lines = _lines(tmp_path / "stale2")
     assert [line["step"] for line in lines] == [1, 2, 3, 4, 5]
     for line in lines:

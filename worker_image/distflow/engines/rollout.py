@@ -34,6 +34,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from distflow import process_group
 from distflow.data.batch import PackedBatch
 
 
@@ -187,6 +188,11 @@ def generate(model, tokenizer, prompts: list[list[int]], group_index: list[int],
     pad_id = tokenizer.pad_token_id
     eos_ids = eos_token_ids(model, tokenizer)
     kwargs = dict(max_new_tokens=params.max_new_tokens, pad_token_id=pad_id, eos_token_id=eos_ids, do_sample=False)
+    if process_group.pool_group() is not None:
+        # transformers keeps the ranks of an FSDP model in step with an all-reduce over the WORLD
+        # group at every token; with pools (distflow.pools) only this pool generates, on weights
+        # gathered for the whole call (RolloutWeights), so no rank needs the others.
+        kwargs["synced_gpus"] = False
     share = params.share_prefill and _supports_shared_prefill(model)
     seqs, meta, behaviour = [], [], []
     done = [0] * len(prompts)  # responses of each prompt generated so far (a group may span chunks)

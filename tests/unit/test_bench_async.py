@@ -1,0 +1,29 @@
+"""The asynchronous benchmark's arithmetic (tests.bench.async_pools.summarize), on made-up runs."""
+
+import pytest
+
+from tests.bench.async_pools import Settings, summarize
+
+pytestmark = pytest.mark.unit
+
+
+def _run(steps, evals, generate=(), train=()):
+    return {"step_seconds": steps, "eval": evals, "generate_seconds": list(generate), "train_seconds": list(train)}
+
+
+def test_floor_ratio_speedup_and_spread():
+    s = Settings(steps=4, eval_every=2, seeds=(0, 1), warmup_steps=2)
+    runs = {
+        "sync": [_run([9, 9, 10, 10], [(0, 0.1), (2, 0.2), (4, 0.30)]),
+                 _run([9, 9, 12, 12], [(0, 0.1), (2, 0.3), (4, 0.50)])],
+        "async": [_run([9, 8, 6, 6.6], [(0, 0.1), (2, 0.1), (4, 0.35)], generate=[5, 5, 5, 6], train=[4, 4, 6, 6]),
+                  _run([9, 8, 6, 6.6], [(0, 0.1), (2, 0.2), (4, 0.45)], generate=[5, 5, 5, 6], train=[4, 4, 6, 6])],
+    }
+    out = summarize(s, runs)
+    assert out["sync"]["median_step_seconds"] == 11.0  # median of 10, 10, 12, 12
+    assert out["async"]["median_step_seconds"] == pytest.approx(6.3)
+    assert out["async"]["median_step_over_floor"] == pytest.approx(1.05)  # 6/6 = 1.0, 6.6/6 = 1.1
+    assert out["speedup"] == pytest.approx(11.0 / 6.3)
+    # step 2: async mean 0.15 is below sync's 0.2..0.3; step 4: 0.40 within 0.30..0.50
+    assert out["async_mean_within_sync_spread"] == {"0": True, "2": False, "4": True}
+    assert out["final_step"] == 4
