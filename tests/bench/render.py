@@ -305,22 +305,11 @@ def render_async(result: dict) -> str:
     ax.set_ylabel("held-out score (mean@4)")
     ax.legend()
     plot = save_figure(fig, "async_convergence.png")
-    return (f"{async_pools.__doc__.split(chr(10) + chr(10), 1)[1].strip()}
-
-Settings: {s}. Order: "
-            f"{', '.join(f'{m} {seed}' for m, seed in result['order'])}.
-
-{table}
-
-"
-            f"Async / sync step time: sync step {summ['sync']['median_step_seconds']:.2f} s, async step "
-            f"{a['median_step_seconds']:.2f} s (**{summ['speedup']:.2f}x**).
-
-Held-out score:
-
-{curve}
-
-{plot}")
+    doc = async_pools.__doc__.split(chr(10) * 2, 1)[1].strip()
+    order = ", ".join(f"{m} {seed}" for m, seed in result["order"])
+    speed = (f"Async / sync step time: sync step {summ['sync']['median_step_seconds']:.2f} s, async step "
+             f"{a['median_step_seconds']:.2f} s (**{summ['speedup']:.2f}x**).")
+    return "\n\n".join([doc, f"Settings: {s}. Order: {order}.", table, speed, "Held-out score:", curve, plot])
 
 
 def render_memory(result: dict) -> str:
