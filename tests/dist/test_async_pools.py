@@ -69,6 +69,8 @@ def test_trained_samples_lag_by_at_most_max_staleness_and_the_rollout_runs_ahead
         # generated at version max(0, step - 1 - 2): the rollout pool is two steps ahead
         assert set(line["policy_versions"]) == {max(0, line["step"] - 3)}
     assert [r["async/staleness_max"] for r in records] == [0.0, 1.0, 2.0, 2.0, 2.0]
+    # the rollout pool's lead (the backlog an autoscaler sees): 2 steps of 4 prompts x 2, until the end
+    assert [r["async/in_flight_samples"] for r in records] == [16.0, 16.0, 16.0, 8.0, 0.0]
     # tis: step 1's samples come from version 0, which is also the trainer's: the behaviour
     # log-probs (the replica's) and the trainer's old log-probs agree; later steps are off-policy.
     diffs = [r["rollout/actor_logp_diff/mean"] for r in records]

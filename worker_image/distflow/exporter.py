@@ -22,6 +22,13 @@ STEP_GAUGES = {
     "data/balance_imbalance": ("distflow_balance_imbalance_ratio",
                                "Max/mean token cost per dp rank after balancing"),
     "timing_s/step": ("distflow_step_duration_seconds", "Wall time of the last step"),
+    "training/policy_version": ("distflow_policy_version", "Optimizer steps of the trainer's weights (async mode)"),
+    "async/staleness_max": ("distflow_policy_staleness_max",
+                            "Most policy versions a sample of the last step lagged the trainer (async mode)"),
+    "async/in_flight_samples": ("distflow_async_in_flight_samples",
+                                "Samples the rollout pool has generated that are not trained yet: its lead"),
+    "async/trainer_wait_s": ("distflow_async_trainer_wait_seconds",
+                             "Time the trainer pool waited for samples and the weight sync in the last step"),
 }
 
 

@@ -339,6 +339,8 @@ class PoolWorker(DagWorker):
         out["async/trainer_wait_s"] = float(busiest[1])
         out["async/weight_sync_bytes"] = float(sent)
         out["async/max_staleness"] = float(self.plan.staleness)
+        ahead = min(self.plan.staleness, self.spec.trainer.total_steps - 1 - self.step)  # steps generated, untrained
+        out["async/in_flight_samples"] = float(ahead * self.spec.data.train_batch_size * self.spec.rollout.n)
         out["perf/throughput"] = out["perf/total_num_tokens"] / (out["timing_s/step"] * self.env.world_size)
         out["training/step"] = self.step + 1
         out["training/policy_version"] = float(self.version)
