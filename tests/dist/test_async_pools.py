@@ -108,3 +108,14 @@ def test_a_killed_pool_worker_resumes_and_trains_every_prompt_once(tmp_path, ref
     records = read_jsonl(tmp_path / "trial" / "job" / "metrics.jsonl")
     assert [r["training/step"] for r in records] == [1, 2, 3, 4]
     assert sum(r.get("async/dropped_in_flight_samples", 0) for r in records) == 8  # one step of 4 x 2 in flight
+
+
+def test_ppo_trains_actor_and_critic_on_a_trainer_pool_of_two(tmp_path):
+    spec = tiny_job_spec(tmp_path, "ppo", **pooled(1), workflow={"name": "ppo"},
+                         cluster={"numNodes": 3, "procsPerNode": 1, "device": "cpu"})
+    _, records = run_job(spec, "ppo")
+    assert [r["training/step"] for r in records] == [1, 2]
+    assert [r["async/staleness_max"] for r in records] == [0.0, 1.0]
+    assert all(r["critic/vf_loss"] > 0 for r in records)
+    lines = _lines(tmp_path / "ppo")
+    assert [len(line["ids"]) for line in lines] == [8, 8]  # 4 prompts x 2 samples, from the one rollout worker

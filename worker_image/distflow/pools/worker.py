@@ -43,10 +43,11 @@ from distflow.engines.actor import Actor
 from distflow.engines.loading import load_sharded_causal_lm, rollout_replica
 from distflow.engines.rollout import HfRollout
 from distflow.metrics import StepMetrics
-from distflow.models import DTYPES, load_tokenizer
+from distflow.engines.critic import build_critic
+from distflow.models import DTYPES, load_tokenizer, model_cache_dir, resolve_model
 from distflow.planner import ROLLOUT, TRAIN
 from distflow.pools.weight_sync import WeightSync
-from distflow.stages import STAGES, StageModels
+from distflow.stages import STAGES, StageModels, build_kl_controller
 from distflow.worker import DagWorker, _seed_everything
 
 log = logging.getLogger(__name__)
@@ -83,9 +84,9 @@ class PoolWorker(DagWorker):
         # Every rank creates every group, in the same order (new_group is collective over the world).
         compute = DTYPES[spec.model.compute_dtype]
         mesh = fsdp.pool_mesh(self.device, len(trainers), spec.cluster.data_parallel_replicate_degree or 1)
-        self.train_group = mesh._flatten().get_group() if mesh.ndim > 1 and self.trains else (
-            mesh.get_group() if self.trains else None)
+        train_group = dist.new_group(trainers)  # the whole pool (HSDP's mesh has one group per dimension)
         rollout_group = dist.new_group(rollouts)
+        self.train_group = train_group if self.trains else None
         sync_group = dist.new_group([0] + rollouts)
         self.pool_group = self.train_group if self.trains else rollout_group
         process_group.set_pool_group(self.pool_group)
@@ -110,9 +111,7 @@ class PoolWorker(DagWorker):
             # Filled by the first weight sync: the trainer's version, not a second read of the files.
             self.replica = rollout_replica(env.model_dir, self.device, compute)
             self.rollout = HfRollout(fsdp.RolloutWeights(None, self.replica), self.tokenizer, self.device)
-        self._build_critic(mesh)  # also the KL controller (reward shaping runs on the rollout pool)
-        if not self.trains:
-            self.critic = None
+        self._build_critic(mesh)
         self._size_rollout_micro_batches()
         self.models = StageModels(rollout=self.rollout, actor=self.actor, policy=self.actor_model,
                                   reference=self.ref_model, critic=self.critic)
@@ -120,12 +119,14 @@ class PoolWorker(DagWorker):
         """Optimizer steps of the weights this rank generates with (rollout) or trains (trainer)."""
 
     def _build_critic(self, mesh) -> None:
-        if self.trains:
-            super()._build_critic(mesh)
-        else:
-            from distflow.stages import build_kl_controller
-
-            self.kl_ctrl, self.critic = build_kl_controller(self.spec.algorithm.kl_ctrl), None
+        """The KL controller on every rank (reward shaping may run on either pool); the value
+        model on the trainer pool, sharded over it."""
+        self.kl_ctrl, self.critic = build_kl_controller(self.spec.algorithm.kl_ctrl), None
+        if self.trains and any(n.role in ("critic", "values") for n in self.plan.chain):
+            path = self.spec.critic.path
+            model_dir = self.env.model_dir if path is None else str(resolve_model(path, model_cache_dir()))
+            self.critic = build_critic(self.spec, model_dir, self.tokenizer.pad_token_id, mesh,
+                                       self.train_layout.num_ranks, self.device)
 
     def _build_data(self) -> None:
         spec = self.spec
