@@ -106,7 +106,8 @@ class Plan:
         lines = [f"world size {self.world_size} = {self.num_nodes} nodes x {per_node} workers"]
         if self.pooled:
             lines.append(f"asynchronous: maxStaleness={self.staleness} (the rollout pool runs up to "
-                         f"{self.staleness} steps ahead of the trainer pool)")
+                         f"{self.staleness} step{'s' if self.staleness != 1 else ''} ahead of the trainer pool; "
+                         "the samples cross once per step, at the first train node)")
         for lay in self.layouts.values():
             where = ""
             if self.pooled:
@@ -125,7 +126,8 @@ class Plan:
         for e in self.edges:
             how = "local-cache" if e.local_cache else "redistribute"
             if self.pooled and placement[e.src] != placement[e.dst]:
-                how += " (cross-pool: rollout ranks -> trainer ranks, token-balanced)"
+                balanced = ", token-balanced" if self.layouts[placement[e.dst]].balanced else ""
+                how += f" (cross-pool: rollout ranks -> trainer ranks{balanced})"
             lines.append(f"  {e.src} -> {e.dst}: {how}")
         return "\n".join(lines)
 
