@@ -26,10 +26,10 @@ def _base(spec) -> WorkerEnv:
 
 def _local_envs(monkeypatch, spec) -> list[WorkerEnv]:
     """The WorkerEnv of each local worker, as ``launch_local``'s processes build them."""
-    import distflow.worker
+    import distflow.entry
 
     seen = []
-    monkeypatch.setattr(distflow.worker, "run_worker", lambda spec, env, progress: seen.append(env))
+    monkeypatch.setattr(distflow.entry, "run_worker", lambda spec, env, progress: seen.append(env))
     monkeypatch.setattr(launcher, "_die_with_parent", lambda: None)
     for index in range(spec.world_size):
         launcher._local_worker_main(index, spec, _base(spec), False)
@@ -44,10 +44,10 @@ def test_two_local_nodes_of_four_take_gpus_0_to_7(monkeypatch):
 
 
 def test_pod_workers_take_gpus_by_local_rank(monkeypatch):
-    import distflow.worker
+    import distflow.entry
 
     seen = []
-    monkeypatch.setattr(distflow.worker, "run_worker", lambda spec, env, progress: seen.append(env))
+    monkeypatch.setattr(distflow.entry, "run_worker", lambda spec, env, progress: seen.append(env))
     spec = _spec(2, 4)
     base = replace(_base(spec), rank=4, node_rank=1, local_world_size=4)
     for local_rank in range(4):

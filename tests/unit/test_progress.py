@@ -6,7 +6,7 @@ import io
 import pytest
 from rich.console import Console
 
-from distflow import worker as worker_module
+from distflow import entry, worker as worker_module
 from distflow.progress import ProgressPrinter
 from distflow.spec import parse_spec
 from distflow.worker import DagWorker, WorkerEnv
@@ -93,7 +93,7 @@ def test_each_pods_first_worker_prints_step_lines(monkeypatch, capsys):
     spec = parse_spec({"model": {"path": "tiny"}, "data": {"train": {"path": "arithmetic"}},
                        "trainer": {"totalSteps": 5}, "cluster": {"numNodes": 2, "procsPerNode": 2}})
     given = {}
-    monkeypatch.setattr(worker_module, "run_worker", lambda spec, env, progress: given.update({env.rank: progress}))
+    monkeypatch.setattr(entry, "run_worker", lambda spec, env, progress: given.update({env.rank: progress}))
     base = WorkerEnv(rank=2, world_size=4, local_rank=0, local_world_size=2, node_rank=1, num_nodes=2,
                      master_addr="node-0", master_port=29500, job_name="job", model_dir="", device_index=0)
     for local_rank in (0, 1):

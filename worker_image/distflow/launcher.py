@@ -147,7 +147,7 @@ def local_worker_env(index: int, per_node: int, base):
 
 def _local_worker_main(index: int, spec: JobSpec, base, with_progress: bool):
     """Worker ``index`` of a local run (``local_worker_env``)."""
-    from distflow.worker import run_worker
+    from distflow.entry import run_worker
 
     _die_with_parent()
     env = local_worker_env(index, spec.cluster.procs_per_node, base)
@@ -276,7 +276,7 @@ def launch_node(spec: JobSpec, job_name: str, environ=os.environ) -> None:
 
 
 def _node_worker_main(local_rank: int, spec: JobSpec, base, nproc: int, port: int):
-    from distflow.worker import run_worker
+    from distflow.entry import run_worker
 
     # Only the node's first worker serves metrics, on the pod's port.
     env = replace(base, rank=base.rank + local_rank, local_rank=local_rank, device_index=local_rank,

@@ -66,6 +66,12 @@ def init(device: torch.device, init_method: str, rank: int, world_size: int) -> 
 _POOL_GROUP = None
 
 
+def new_group(ranks: list[int]):
+    """A process group of ``ranks`` (collective over the world: every rank creates every group,
+    in the same order), on the world's backend."""
+    return dist.new_group(ranks)
+
+
 def set_pool_group(group) -> None:
     """The group of this worker's pool (``distflow.pools``): the ranks that run the same part of
     the plan at the same time. The chain's own collectives (metric reductions, loss

@@ -173,7 +173,7 @@ class RayWorker:
         Returns:
             This worker's metrics history (``run_worker``).
         """
-        from distflow.worker import run_worker
+        from distflow.entry import run_worker
 
         os.environ.update(environ)
         env = worker_env_from_environ(spec, job_name, os.environ)

@@ -501,22 +501,3 @@ class DagWorker:
         if dist.is_initialized() and clean:
             dist.barrier()
             dist.destroy_process_group()
-
-
-def run_worker(spec: JobSpec, env: WorkerEnv, progress=None) -> list[dict[str, float]]:
-    """Entry point of one worker process."""
-    configure_malloc()
-    if spec.async_.enable:
-        from distflow.pools.worker import PoolWorker
-
-        worker = PoolWorker(spec, env)
-    else:
-        worker = DagWorker(spec, env)
-    try:
-        history = worker.train(progress)
-    except BaseException:
-        worker.close(clean=False)
-        raise
-    worker.close()
-    return history
-

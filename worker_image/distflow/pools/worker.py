@@ -84,10 +84,10 @@ class PoolWorker(DagWorker):
         # Every rank creates every group, in the same order (new_group is collective over the world).
         compute = DTYPES[spec.model.compute_dtype]
         mesh = fsdp.pool_mesh(self.device, len(trainers), spec.cluster.data_parallel_replicate_degree or 1)
-        train_group = dist.new_group(trainers)  # the whole pool (HSDP's mesh has one group per dimension)
-        rollout_group = dist.new_group(rollouts)
+        train_group = process_group.new_group(trainers)  # the whole pool (HSDP's mesh: one group per dimension)
+        rollout_group = process_group.new_group(rollouts)
         self.train_group = train_group if self.trains else None
-        sync_group = dist.new_group([0] + rollouts)
+        sync_group = process_group.new_group([0] + rollouts)
         self.pool_group = self.train_group if self.trains else rollout_group
         process_group.set_pool_group(self.pool_group)
         self.weight_sync = WeightSync(sync_group, 0, compute, spec.rollout.weight_sync_bucket_mb << 20, self.device)

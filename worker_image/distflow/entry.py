@@ -1,0 +1,25 @@
+"""A worker process's entry point: the DAG worker of sync mode, or of a pooled job (``async.enable``).
+
+Its own module so that ``distflow.worker`` (``DagWorker``) and ``distflow.pools.worker``
+(``PoolWorker``, a subclass) do not import each other.
+"""
+
+from __future__ import annotations
+
+from distflow.pools.worker import PoolWorker
+from distflow.spec import JobSpec
+from distflow.worker import DagWorker, WorkerEnv, configure_malloc
+
+
+def run_worker(spec: JobSpec, env: WorkerEnv, progress=None) -> list[dict[str, float]]:
+    """Entry point of one worker process."""
+    configure_malloc()
+    worker = (PoolWorker if spec.async_.enable else DagWorker)(spec, env)
+    try:
+        history = worker.train(progress)
+    except BaseException:
+        worker.close(clean=False)
+        raise
+    worker.close()
+    return history
+
