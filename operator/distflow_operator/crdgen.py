@@ -46,7 +46,7 @@ from distflow_operator import (
     API_GROUP, API_VERSION, CATEGORY, CRD_NAME, KIND, PLURAL, SHORT_NAME, SINGULAR,
 )
 from distflow_operator.podspec import KUEUE_KEYS
-from distflow_operator.render import GANG_METADATA_KEYS, OPERATOR_ENV_NAMES, node_labels
+from distflow_operator.render import GANG_METADATA_KEYS, NODE_LABEL_KEYS, OPERATOR_ENV_NAMES
 from distflow_operator.status import JobStatus
 
 DEFAULT_OUTPUT = Path("crds") / f"{CRD_NAME}.yaml"
@@ -64,7 +64,7 @@ CHOICES: dict[tuple[str, ...], tuple[str, ...]] = {
 """Spec paths (``*`` = list item) of strings validated against a list -> their enum."""
 
 IMMUTABLE = ("model", "data", "rollout", "algorithm", "actor", "workflow", "cluster", "dataPlane",
-             "checkpoint", "trainer")
+             "checkpoint", "trainer", "async")
 """What the pods compute: fixed for the job's life (runPolicy stays editable)."""
 
 MAX_NAME_LENGTH = MAX_JOB_NAME_LENGTH
@@ -129,7 +129,7 @@ ENV_NAME_RULE = {
     "message": "spec.template.env: the operator sets " + ", ".join(OPERATOR_ENV_NAMES)
                + " on every node; remove them from template.env",
 }
-_OWNED_LABELS = (*node_labels("job", 0, 1), *GANG_METADATA_KEYS, *KUEUE_KEYS)
+_OWNED_LABELS = (*NODE_LABEL_KEYS, *GANG_METADATA_KEYS, *KUEUE_KEYS)
 LABEL_KEYS_RULE = {
     "rule": "self.all(k, !(k in [" + ", ".join(f"'{k}'" for k in _OWNED_LABELS) + "]))",
     "message": "spec.template.labels: the operator sets " + ", ".join(_OWNED_LABELS)

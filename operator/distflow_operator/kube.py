@@ -99,7 +99,7 @@ def job_path(namespace: str, name: str) -> str:
 
 
 POD_GROUP_FIELDS = ("minMember", "minResources", "queue", "priorityClassName")
-"""PodGroup spec fields the operator renders (render.build_pod_group); others belong to the scheduler."""
+"""PodGroup spec fields the operator renders (render.build_pod_groups); others belong to the scheduler."""
 
 
 def pod_group_patch(current: dict[str, Any], wanted: dict[str, Any]) -> dict[str, Any]:

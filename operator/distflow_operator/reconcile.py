@@ -41,7 +41,7 @@ from distflow_operator.podcache import PodCache
 from distflow_operator.policy import Decision, Rejection, decide, run_state
 from distflow_operator.progress import scrape_progress
 from distflow_operator.render import (
-    JobRef, build_config_map, build_headless_service, build_node_pod, build_pod_group,
+    JobRef, build_config_map, build_headless_service, build_node_pod, build_pod_groups,
 )
 from distflow_operator.stale import STALE_REASON, UNOWNED_REASON, clear_stale_pods
 from distflow_operator.status import compute_status, status_patch, transition_events
@@ -349,10 +349,9 @@ class Reconciler:
         owner = JobRef(job.name, job.namespace, job.uid, job.kueue_queue)
         spec, attempt = job.spec, decision.state.attempt
         children = [build_config_map(spec, owner), build_headless_service(spec, owner),
-                    build_pod_group(spec, owner)]
+                    *build_pod_groups(spec, owner)]
         for child in children:
-            if child is not None:
-                await self.call(self._api.ensure, child, owner)
+            await self.call(self._api.ensure, child, owner)
         pods = [build_node_pod(spec, owner, rank, attempt) for rank in decision.create_ranks]
         created = await asyncio.gather(*(self.call(self._api.create, pod) for pod in pods))
         if any(created):

@@ -7,10 +7,19 @@ Children of a job ``<job>`` in its namespace:
     Service    <job>               headless, publishNotReadyAddresses (rank DNS before readiness)
     Pod        <job>-node-<rank>   one per node; hostname/subdomain give
                                    <job>-node-<rank>.<job>.<ns>.svc
-    PodGroup   <job>               only with scheduling.batchScheduler (gang scheduling)
+    PodGroup   <job>               only with scheduling.batchScheduler (gang scheduling);
+               <job>-trainer       with async.enable: one per pool, each pod in its pool's group
+               <job>-rollout
+
+With ``async.enable`` the nodes form two pools (:func:`node_pools`): the trainer
+pool is ranks 0 .. N-R-1 (rank 0 trains: it logs and checkpoints), the rollout
+pool the last R = ``async.rolloutPool.numNodes`` ranks. Each pod is labelled
+``distflow.io/pool``; rollout pods take the pool's resources, nodeSelector and
+tolerations where the spec gives them, else the template's.
 
 A job labelled ``kueue.x-k8s.io/queue-name`` gets Kueue pod-group metadata on
-its pods instead (see podspec): Kueue admits each gang attempt as one Workload.
+its pods instead (see podspec): Kueue admits each gang attempt as one Workload,
+both pools in it (one gang: see docs/operations.md for why).
 
 Nothing here reads the environment or the cluster: same spec, same objects.
 User errors in ``spec.template`` raise :class:`DistflowConfigError` naming the
@@ -45,6 +54,9 @@ GPU_RESOURCE = "nvidia.com/gpu"
 LABEL_JOB = f"{API_GROUP}/job-name"
 LABEL_RANK = f"{API_GROUP}/node-rank"
 LABEL_ATTEMPT = f"{API_GROUP}/attempt"
+LABEL_POOL = f"{API_GROUP}/pool"
+TRAINER_POOL = "trainer"
+ROLLOUT_POOL = "rollout"
 LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
 
 OPERATOR_ENV_NAMES = (
@@ -64,6 +76,38 @@ POD_GROUP_APIS = {
     "volcano": ("scheduling.volcano.sh/v1beta1", "volcano"),
     "scheduler-plugins": ("scheduling.x-k8s.io/v1alpha1", "scheduler-plugins-scheduler"),
 }
+
+
+@dataclass(frozen=True)
+class NodePool:
+    """A contiguous range of node ranks that run one part of the plan."""
+
+    name: str | None
+    """trainer or rollout with async.enable; None for a synchronous job (one pool, no pool label)."""
+    first_rank: int
+    num_nodes: int
+
+    @property
+    def ranks(self) -> range:
+        return range(self.first_rank, self.first_rank + self.num_nodes)
+
+
+def node_pools(spec: JobSpec) -> tuple[NodePool, ...]:
+    """The job's pools in rank order: one unnamed pool, or (trainer, rollout) with async.enable.
+
+    Same layout as the planner's (distflow.planner: the trainer pool first, so rank 0 trains).
+    The spec's validation guarantees 1 <= async.rolloutPool.numNodes < cluster.numNodes.
+    """
+    nodes = spec.cluster.num_nodes
+    if not spec.async_.enable:
+        return (NodePool(None, 0, nodes),)
+    rollout = spec.async_.rollout_pool.num_nodes
+    return NodePool(TRAINER_POOL, 0, nodes - rollout), NodePool(ROLLOUT_POOL, nodes - rollout, rollout)
+
+
+def node_pool(spec: JobSpec, rank: int) -> NodePool:
+    """The pool node ``rank`` belongs to."""
+    return next(pool for pool in node_pools(spec) if rank in pool.ranks)
 
 
 @dataclass(frozen=True)
@@ -116,8 +160,16 @@ def job_labels(job: str, component: str) -> dict[str, str]:
     }
 
 
-def node_labels(job: str, rank: int, attempt: int) -> dict[str, str]:
-    return {**job_labels(job, "node"), LABEL_RANK: str(rank), LABEL_ATTEMPT: str(attempt)}
+def node_labels(job: str, rank: int, attempt: int, pool: str | None = None) -> dict[str, str]:
+    """A node pod's labels; ``distflow.io/pool`` only for a pool of an asynchronous job."""
+    labels = {**job_labels(job, "node"), LABEL_RANK: str(rank), LABEL_ATTEMPT: str(attempt)}
+    if pool:
+        labels[LABEL_POOL] = pool
+    return labels
+
+
+NODE_LABEL_KEYS = tuple(node_labels("job", 0, 1, ROLLOUT_POOL))
+"""Label keys the operator sets on node pods: spec.template.labels may not set them."""
 
 
 def _metadata(name: str, owner: JobRef, labels: dict[str, str]) -> dict[str, Any]:
@@ -151,27 +203,39 @@ def build_headless_service(spec: JobSpec, owner: JobRef) -> dict[str, Any]:
     }
 
 
-def build_pod_group(spec: JobSpec, owner: JobRef) -> dict[str, Any] | None:
-    """PodGroup ``<job>`` for Volcano or scheduler-plugins coscheduling; None without a batch scheduler.
+def pod_group_name(job: str, pool: str | None) -> str:
+    """PodGroup of a pool: ``<job>`` for a synchronous job, ``<job>-<pool>`` per pool otherwise."""
+    return f"{job}-{pool}" if pool else job
 
-    minMember = cluster.numNodes: the scheduler binds all node pods or none.
+
+def build_pod_groups(spec: JobSpec, owner: JobRef) -> list[dict[str, Any]]:
+    """PodGroups for Volcano or scheduler-plugins coscheduling, one per pool; [] without a batch scheduler.
+
+    minMember = the pool's nodes: the scheduler binds all of a pool's pods or none of them.
+    minResources = the pool's GPUs (cluster.acceleratorsPerNode per node), when it has any.
     """
     sched = spec.scheduling
     if sched.batch_scheduler == "none":
-        return None
+        return []
     api_version, _ = POD_GROUP_APIS[sched.batch_scheduler]
-    group_spec: dict[str, Any] = {"minMember": spec.cluster.num_nodes}
-    gpus = spec.cluster.accelerators_per_node * spec.cluster.num_nodes
-    if gpus:
-        group_spec["minResources"] = {GPU_RESOURCE: str(gpus)}
-    if sched.batch_scheduler == "volcano":
-        if sched.queue:
-            group_spec["queue"] = sched.queue
-        if sched.priority_class_name:
-            group_spec["priorityClassName"] = sched.priority_class_name
-    return {"apiVersion": api_version, "kind": "PodGroup",
-            "metadata": _metadata(owner.name, owner, job_labels(owner.name, "podgroup")),
-            "spec": group_spec}
+    groups = []
+    for pool in node_pools(spec):
+        group_spec: dict[str, Any] = {"minMember": pool.num_nodes}
+        gpus = spec.cluster.accelerators_per_node * pool.num_nodes
+        if gpus:
+            group_spec["minResources"] = {GPU_RESOURCE: str(gpus)}
+        if sched.batch_scheduler == "volcano":
+            if sched.queue:
+                group_spec["queue"] = sched.queue
+            if sched.priority_class_name:
+                group_spec["priorityClassName"] = sched.priority_class_name
+        labels = job_labels(owner.name, "podgroup")
+        if pool.name:
+            labels[LABEL_POOL] = pool.name
+        groups.append({"apiVersion": api_version, "kind": "PodGroup",
+                       "metadata": _metadata(pod_group_name(owner.name, pool.name), owner, labels),
+                       "spec": group_spec})
+    return groups
 
 
 def _env_problems(spec: JobSpec) -> list[str]:
@@ -198,19 +262,23 @@ def _volume_problems(spec: JobSpec) -> list[str]:
 
 def _resource_problems(spec: JobSpec) -> list[str]:
     problems = []
-    for kind in ("requests", "limits"):
-        section = spec.template.resources.get(kind)
-        if section is not None and not isinstance(section, dict):
-            problems.append(f"spec.template.resources.{kind}: expected a mapping of resource -> quantity")
-        elif section and GPU_RESOURCE in section:
-            problems.append(f"spec.template.resources.{kind}.{GPU_RESOURCE}: set "
-                            f"spec.cluster.acceleratorsPerNode instead; the operator adds it")
+    sources = [("spec.template.resources", spec.template.resources)]
+    if spec.async_.enable:
+        sources.append(("spec.async.rolloutPool.resources", spec.async_.rollout_pool.resources))
+    for field, resources in sources:
+        for kind in ("requests", "limits"):
+            section = resources.get(kind)
+            if section is not None and not isinstance(section, dict):
+                problems.append(f"{field}.{kind}: expected a mapping of resource -> quantity")
+            elif section and GPU_RESOURCE in section:
+                problems.append(f"{field}.{kind}.{GPU_RESOURCE}: set spec.cluster.acceleratorsPerNode "
+                                f"instead; the operator adds it")
     return problems
 
 
 def template_problems(spec: JobSpec) -> list[str]:
     """Problems in spec.template that make the pods impossible to render, each naming its field."""
-    operator_keys = (*node_labels("job", 0, 1), *GANG_METADATA_KEYS)
+    operator_keys = (*NODE_LABEL_KEYS, *GANG_METADATA_KEYS)
     return (_env_problems(spec) + _volume_problems(spec) + _resource_problems(spec)
             + podspec.metadata_problems(spec, operator_keys))
 
@@ -234,8 +302,21 @@ def _node_env(spec: JobSpec, owner: JobRef, rank: int, attempt: int) -> list[dic
     return [{"name": k, "value": str(v)} for k, v in values.items()]
 
 
-def _resources(spec: JobSpec) -> dict[str, Any]:
-    resources = copy.deepcopy(spec.template.resources)
+def _pod_fields(spec: JobSpec, pool: NodePool) -> tuple[dict[str, Any], dict[str, str], list[dict[str, Any]]]:
+    """(container resources, nodeSelector, tolerations) of a pool's pods: the rollout pool's own
+    where async.rolloutPool gives them, else spec.template's. Copies: a pod never aliases the spec."""
+    tpl = spec.template
+    resources, selector, tolerations = tpl.resources, tpl.node_selector, tpl.tolerations
+    if pool.name == ROLLOUT_POOL:
+        own = spec.async_.rollout_pool
+        resources = own.resources or resources
+        selector = own.node_selector or selector
+        tolerations = own.tolerations or tolerations
+    return copy.deepcopy(resources), dict(selector), copy.deepcopy(tolerations)
+
+
+def _resources(spec: JobSpec, pool: NodePool) -> dict[str, Any]:
+    resources, _, _ = _pod_fields(spec, pool)
     gpus = spec.cluster.accelerators_per_node
     if gpus:
         for kind in ("requests", "limits"):
@@ -243,7 +324,7 @@ def _resources(spec: JobSpec) -> dict[str, Any]:
     return resources
 
 
-def _container(spec: JobSpec, owner: JobRef, rank: int, attempt: int) -> dict[str, Any]:
+def _container(spec: JobSpec, owner: JobRef, rank: int, attempt: int, pool: NodePool) -> dict[str, Any]:
     tpl = spec.template
     port = metrics_port(spec)
     _, security = podspec.security_contexts(tpl.security_context)
@@ -256,7 +337,7 @@ def _container(spec: JobSpec, owner: JobRef, rank: int, attempt: int) -> dict[st
         "env": _node_env(spec, owner, rank, attempt) + copy.deepcopy(tpl.env),
         "ports": [{"name": "metrics", "containerPort": port, "protocol": "TCP"},
                   {"name": "rendezvous", "containerPort": MASTER_PORT, "protocol": "TCP"}],
-        "resources": _resources(spec),
+        "resources": _resources(spec, pool),
         "volumeMounts": [{"name": SPEC_VOLUME, "mountPath": SPEC_MOUNT_DIR, "readOnly": True},
                          {"name": SHM_VOLUME, "mountPath": "/dev/shm"}]
                         + pvc_mounts + copy.deepcopy(tpl.volume_mounts),
@@ -269,8 +350,11 @@ def _container(spec: JobSpec, owner: JobRef, rank: int, attempt: int) -> dict[st
     }
 
 
-def _scheduling_fields(spec: JobSpec, owner: JobRef) -> tuple[dict[str, Any], dict[str, str], dict[str, str]]:
-    """(pod spec fields, extra labels, annotations) for the scheduler and gang scheduling."""
+def _scheduling_fields(spec: JobSpec, owner: JobRef,
+                       pool: NodePool) -> tuple[dict[str, Any], dict[str, str], dict[str, str]]:
+    """(pod spec fields, extra labels, annotations) for the scheduler and gang scheduling:
+    the pod joins its pool's PodGroup."""
+    group = pod_group_name(owner.name, pool.name)
     sched = spec.scheduling
     fields: dict[str, Any] = {}
     labels: dict[str, str] = {}
@@ -278,9 +362,9 @@ def _scheduling_fields(spec: JobSpec, owner: JobRef) -> tuple[dict[str, Any], di
     if sched.batch_scheduler != "none":
         fields["schedulerName"] = POD_GROUP_APIS[sched.batch_scheduler][1]
         if sched.batch_scheduler == "volcano":
-            annotations["scheduling.k8s.io/group-name"] = owner.name
+            annotations["scheduling.k8s.io/group-name"] = group
         else:
-            labels["scheduling.x-k8s.io/pod-group"] = owner.name
+            labels["scheduling.x-k8s.io/pod-group"] = group
     if sched.scheduler_name:
         fields["schedulerName"] = sched.scheduler_name
     if sched.priority_class_name:
@@ -288,12 +372,14 @@ def _scheduling_fields(spec: JobSpec, owner: JobRef) -> tuple[dict[str, Any], di
     return fields, labels, annotations
 
 
-def _pod_metadata(spec: JobSpec, owner: JobRef, rank: int, attempt: int) -> dict[str, Any]:
-    """Labels and annotations: the template's first, so the operator's and Kueue's win."""
-    _, sched_labels, sched_annotations = _scheduling_fields(spec, owner)
+def _pod_metadata(spec: JobSpec, owner: JobRef, rank: int, attempt: int, pool: NodePool) -> dict[str, Any]:
+    """Labels and annotations: the template's first, so the operator's and Kueue's win.
+    Kueue gets one pod group of all cluster.numNodes pods, both pools (docs/operations.md)."""
+    _, sched_labels, sched_annotations = _scheduling_fields(spec, owner, pool)
     kueue_labels, kueue_annotations = podspec.kueue_metadata(owner.kueue_queue, owner.name, attempt,
                                                             spec.cluster.num_nodes)
-    labels = {**spec.template.labels, **node_labels(owner.name, rank, attempt), **sched_labels, **kueue_labels}
+    labels = {**spec.template.labels, **node_labels(owner.name, rank, attempt, pool.name), **sched_labels,
+              **kueue_labels}
     metadata = _metadata(pod_name(owner.name, rank), owner, labels)
     annotations = {**spec.template.annotations, **sched_annotations, **kueue_annotations}
     if annotations:
@@ -302,7 +388,7 @@ def _pod_metadata(spec: JobSpec, owner: JobRef, rank: int, attempt: int) -> dict
 
 
 def build_node_pod(spec: JobSpec, owner: JobRef, rank: int, attempt: int) -> dict[str, Any]:
-    """Pod ``<job>-node-<rank>`` of gang attempt ``attempt`` (1-based).
+    """Pod ``<job>-node-<rank>`` of gang attempt ``attempt`` (1-based), in the pool of its rank.
 
     Raises:
         DistflowConfigError: spec.template sets an operator env name, a reserved
@@ -314,7 +400,9 @@ def build_node_pod(spec: JobSpec, owner: JobRef, rank: int, attempt: int) -> dic
         raise DistflowConfigError(problems)
     tpl = spec.template
     name = pod_name(owner.name, rank)
-    sched_fields, _, _ = _scheduling_fields(spec, owner)
+    pool = node_pool(spec, rank)
+    sched_fields, _, _ = _scheduling_fields(spec, owner, pool)
+    _, node_selector, tolerations = _pod_fields(spec, pool)
     pod_security, _ = podspec.security_contexts(tpl.security_context)
     pvc_volumes, _ = podspec.pvc_volumes(tpl.persistent_volume_claims)
     pod_spec: dict[str, Any] = {
@@ -325,7 +413,7 @@ def build_node_pod(spec: JobSpec, owner: JobRef, rank: int, attempt: int) -> dic
         # Hundreds of service env vars per pod help nobody and slow startup.
         "enableServiceLinks": False,
         "securityContext": pod_security,
-        "containers": [_container(spec, owner, rank, attempt)],
+        "containers": [_container(spec, owner, rank, attempt, pool)],
         "volumes": [{"name": SPEC_VOLUME, "configMap": {"name": config_map_name(owner.name)}},
                     podspec.shm_volume(SHM_VOLUME, tpl.shm_size)]
                    + pvc_volumes + copy.deepcopy(tpl.volumes),
@@ -337,7 +425,7 @@ def build_node_pod(spec: JobSpec, owner: JobRef, rank: int, attempt: int) -> dic
     else:
         # Nodes need no API access (progress is scraped from them), so they get no token.
         pod_spec["automountServiceAccountToken"] = False
-    for key, value in (("nodeSelector", tpl.node_selector), ("tolerations", tpl.tolerations),
+    for key, value in (("nodeSelector", node_selector), ("tolerations", tolerations),
                        ("affinity", tpl.affinity)):
         if value:
             pod_spec[key] = copy.deepcopy(value)
@@ -345,5 +433,5 @@ def build_node_pod(spec: JobSpec, owner: JobRef, rank: int, attempt: int) -> dic
         selector = {LABEL_JOB: owner.name, LABEL_MANAGED_BY: MANAGER}
         pod_spec["topologySpreadConstraints"] = podspec.spread_constraints(
             tpl.topology_spread_constraints, selector, LABEL_ATTEMPT)
-    return {"apiVersion": "v1", "kind": "Pod", "metadata": _pod_metadata(spec, owner, rank, attempt),
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": _pod_metadata(spec, owner, rank, attempt, pool),
             "spec": pod_spec}

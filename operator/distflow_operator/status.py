@@ -13,6 +13,10 @@ Phases::
 - Running: every node pod runs (or has already exited 0).
 - Restarting: from a gang restart until the new attempt runs on every node.
 
+With ``async.enable`` the status lists both pools (``pools``: trainer, then
+rollout, each with its desired and Ready node pods); the phase and restarts
+stay the gang's: a failure in either pool restarts every pod (policy.py).
+
 VersionSkew is True when the operator ignores fields it does not know
 (a CRD newer than the operator) or cannot read a started job's spec at all.
 
@@ -33,6 +37,7 @@ from pydantic.alias_generators import to_camel
 
 from distflow_operator.observed import JobView, PodView, format_time
 from distflow_operator.policy import Decision, NodeFailure
+from distflow_operator.render import node_pools
 
 PHASES = ("Pending", "Starting", "Running", "Restarting", "Succeeded", "Failed", "Suspended")
 CONDITION_TYPES = ("Ready", "Restarting", "Suspended", "Succeeded", "Failed", "VersionSkew")
@@ -90,6 +95,15 @@ class LastFailure(_Status):
     """When the operator decided on it (RFC 3339)."""
 
 
+class PoolStatus(_Status):
+    name: Literal["trainer", "rollout"]
+    """The pool (async.enable): trainer (ranks 0 .. N-R-1) or rollout (the last async.rolloutPool.numNodes)."""
+    nodes: int
+    """Node pods the pool has (desired)."""
+    ready: int
+    """Node pods of the pool, of the current attempt, that are Ready."""
+
+
 class JobStatus(_Status):
     """Status of an RLPostTrainJob, written by the operator only."""
 
@@ -119,6 +133,8 @@ class JobStatus(_Status):
     """When the job finished."""
     last_restart_time: str | None = None
     """When the last gang restart was decided."""
+    pools: list[PoolStatus] | None = None
+    """The trainer and the rollout pool with their node counts (async.enable only)."""
     progress: Progress | None = None
     """Training progress scraped from node 0."""
     pod_errors: list[PodErrorStatus] | None = None
@@ -221,6 +237,15 @@ def _last_failure(failure: NodeFailure | None) -> LastFailure | None:
                        exit_code=failure.exit_code, message=failure.message, time=format_time(failure.time))
 
 
+def _pools(job: JobView, current: Sequence[PodView]) -> list[PoolStatus] | None:
+    """Desired and Ready node pods per pool of an asynchronous job; None for a synchronous one."""
+    if job.spec is None or not job.spec.async_.enable:
+        return None
+    ready = {p.rank for p in current if p.ready}
+    return [PoolStatus(name=pool.name, nodes=pool.num_nodes, ready=len(ready.intersection(pool.ranks)))
+            for pool in node_pools(job.spec)]
+
+
 def compute_status(job: JobView, pods: Sequence[PodView], decision: Decision, now: datetime,
                    scraped: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """The job's new status (camelCase mapping, as written to the API).
@@ -255,6 +280,7 @@ def compute_status(job: JobView, pods: Sequence[PodView], decision: Decision, no
         start_time=format_time(state.start_time) if state.start_time else None,
         completion_time=format_time(state.completion_time) if state.completion_time else None,
         last_restart_time=format_time(state.last_restart_time) if state.last_restart_time else None,
+        pools=_pools(job, current),
         progress=_progress(job, scraped, phase),
         pod_errors=[PodErrorStatus(pod=e.pod, uid=e.uid, reason=e.reason, since=format_time(e.since))
                     for e in state.pod_errors] or None,

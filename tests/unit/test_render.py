@@ -155,14 +155,14 @@ def test_metrics_port_follows_trainer_metrics_port_else_9400():
 
 def test_no_pod_group_without_a_batch_scheduler():
     spec = make_spec()
-    assert render.build_pod_group(spec, OWNER) is None
+    assert render.build_pod_groups(spec, OWNER) == []
     pod = render.build_node_pod(spec, OWNER, 0, 1)
     assert "schedulerName" not in pod["spec"] and "annotations" not in pod["metadata"]
 
 
 def test_volcano_pod_group_gangs_all_nodes_in_a_queue():
     spec = make_spec(scheduling={"batchScheduler": "volcano", "queue": "research", "priorityClassName": "high"})
-    group = render.build_pod_group(spec, OWNER)
+    [group] = render.build_pod_groups(spec, OWNER)
     assert group["apiVersion"] == "scheduling.volcano.sh/v1beta1" and group["metadata"]["name"] == "grpo"
     assert group["spec"] == {"minMember": 4, "minResources": {"nvidia.com/gpu": "8"}, "queue": "research",
                              "priorityClassName": "high"}
@@ -174,7 +174,7 @@ def test_volcano_pod_group_gangs_all_nodes_in_a_queue():
 
 def test_scheduler_plugins_pod_group_labels_pods_and_honours_scheduler_name():
     spec = make_spec(scheduling={"batchScheduler": "scheduler-plugins", "schedulerName": "my-sched"})
-    group = render.build_pod_group(spec, OWNER)
+    [group] = render.build_pod_groups(spec, OWNER)
     assert group["apiVersion"] == "scheduling.x-k8s.io/v1alpha1" and group["spec"]["minMember"] == 4
     pod = render.build_node_pod(spec, OWNER, 0, 1)
     assert pod["metadata"]["labels"]["scheduling.x-k8s.io/pod-group"] == "grpo"

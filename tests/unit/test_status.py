@@ -197,3 +197,44 @@ def test_held_job_keeps_its_status_and_only_flips_version_skew():
     assert {k: v for k, v in held.items() if k != "conditions"} == {
         k: v for k, v in running.items() if k != "conditions"}
     assert conditions(held)["VersionSkew"]["reason"] == "UnreadableSpec"
+
+
+def make_async_job(status=None):
+    """3 nodes: the trainer pool is ranks 0-1, the rollout pool rank 2."""
+    return job_view({
+        "metadata": {"name": "grpo", "namespace": "ns", "uid": "u1", "generation": 1},
+        "spec": {"model": {"path": "tiny"}, "data": {"train": {"path": "arithmetic"}, "trainBatchSize": 4},
+                 "cluster": {"numNodes": 3}, "trainer": {"totalSteps": 20},
+                 "async": {"enable": True, "rolloutPool": {"numNodes": 1}},
+                 "runPolicy": {"maxRestarts": 2, "backoffSeconds": 10}},
+        "status": status or {}})
+
+
+def test_async_job_status_lists_both_pools_with_their_ready_nodes():
+    status = status_for(make_async_job({"phase": "Starting", "attempt": 1, "startTime": EARLIER}),
+                        [pod(0), pod(1, ready=False), pod(2), pod(2, attempt=0)])
+    assert status["pools"] == [{"name": "trainer", "nodes": 2, "ready": 1},
+                               {"name": "rollout", "nodes": 1, "ready": 1}]
+    assert (status["phase"], status["nodes"]) == ("Running", "2/3")
+    assert JobStatus.model_validate(status).pools[1].name == "rollout"
+
+
+def test_sync_job_status_has_no_pools():
+    assert "pools" not in status_for(make_job({"attempt": 1, "startTime": EARLIER}), [pod(0), pod(1)])
+
+
+@pytest.mark.parametrize("rank", [1, 2], ids=["trainer-pool", "rollout-pool"])
+def test_a_failure_in_either_pool_restarts_the_whole_gang(rank):
+    job = make_async_job({"phase": "Running", "attempt": 1, "startTime": EARLIER})
+    pods = [pod(r, phase="Failed", exit_code=1, reason="Error") if r == rank else pod(r) for r in range(3)]
+    decision = decide(job, pods, NOW)
+    assert {p.name for p in decision.delete_pods} == {"grpo-node-0", "grpo-node-1", "grpo-node-2"}
+    status = compute_status(job, pods, decision, NOW)
+    assert (status["phase"], status["attempt"], status["restarts"]) == ("Restarting", 2, 1)
+    assert status["lastFailure"]["pod"] == f"grpo-node-{rank}"
+    assert status["pools"] == [{"name": "trainer", "nodes": 2, "ready": 0},
+                               {"name": "rollout", "nodes": 1, "ready": 0}]
+    later = NOW + timedelta(seconds=30)
+    # Once the old attempt is gone and the backoff has passed, every rank of both pools is created again.
+    again = decide(make_async_job(status), [], later)
+    assert sorted(again.create_ranks) == [0, 1, 2]
