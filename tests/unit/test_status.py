@@ -197,3 +197,11 @@ def test_held_job_keeps_its_status_and_only_flips_version_skew():
     assert {k: v for k, v in held.items() if k != "conditions"} == {
         k: v for k, v in running.items() if k != "conditions"}
     assert conditions(held)["VersionSkew"]["reason"] == "UnreadableSpec"
+
+
+def test_scale_subresource_fields_count_current_attempt_pods_and_select_them():
+    status = status_for(make_job({"phase": "Starting", "attempt": 2, "startTime": EARLIER}),
+                        [pod(0, attempt=2), pod(1, attempt=2, phase="Pending"), pod(0, attempt=1)])
+    assert (status["replicas"], status["desiredNodes"]) == (1, 2)
+    assert status["selector"] == "app.kubernetes.io/managed-by=distflow-operator,distflow.io/job-name=grpo"
+    assert status_for(make_job(), [])["replicas"] == 0
