@@ -84,6 +84,8 @@ _TP = "self.rollout.tensorParallelSize"
 _DP = f"({_GEN_WORLD} / {_TP} > 1 ? {_GEN_WORLD} / {_TP} : 1)"
 _MINI = "self.actor.ppoMiniBatchSize"
 _BATCH = "self.data.trainBatchSize"
+_MIN_NODES = "self.cluster.minNodes"
+_MAX_NODES = "self.cluster.maxNodes"
 _REPLICATE = "self.cluster.dataParallelReplicateDegree"
 _SHARD = "self.cluster.dataParallelShardDegree"
 
@@ -91,6 +93,16 @@ SPEC_RULES: list[dict[str, str]] = [
     # Mirror distflow.spec.validation.size_problems: same fields, same fixes. The numbers stay in
     # pydantic's messages only: a messageExpression with string(int) exceeds the API
     # server's CEL cost budget (it estimates such strings as unbounded).
+    # A resize's bounds (kubectl scale goes through these rules too: the API server refuses the size).
+    {"rule": f"!has({_MIN_NODES}) || !has({_MAX_NODES}) || {_MIN_NODES} <= {_MAX_NODES}",
+     "message": "cluster.minNodes: is above cluster.maxNodes; use at most maxNodes",
+     "fieldPath": ".cluster.minNodes", "reason": "FieldValueInvalid"},
+    {"rule": f"!has({_MIN_NODES}) || self.cluster.numNodes >= {_MIN_NODES}",
+     "message": "cluster.numNodes: is below cluster.minNodes; use at least minNodes or lower it",
+     "fieldPath": ".cluster.numNodes", "reason": "FieldValueInvalid"},
+    {"rule": f"!has({_MAX_NODES}) || self.cluster.numNodes <= {_MAX_NODES}",
+     "message": "cluster.numNodes: is above cluster.maxNodes; use at most maxNodes or raise it",
+     "fieldPath": ".cluster.numNodes", "reason": "FieldValueInvalid"},
     {"rule": f"!{_POOLED} || {_ROLLOUT_NODES} < self.cluster.numNodes",
      "message": "async.rolloutPool.numNodes: leaves no node to train; use fewer than cluster.numNodes",
      "fieldPath": ".async.rolloutPool.numNodes", "reason": "FieldValueInvalid"},
@@ -249,6 +261,11 @@ PRINTER_COLUMNS = [
 ]
 
 
+SCALE_SUBRESOURCE = {"specReplicasPath": ".spec.cluster.numNodes", "statusReplicasPath": ".status.replicas",
+                     "labelSelectorPath": ".status.selector"}
+"""`kubectl scale rljob NAME --replicas=N` and an HPA's target: replicas are node pods."""
+
+
 def build_crd() -> dict[str, Any]:
     """The CustomResourceDefinition object."""
     root = {
@@ -276,7 +293,7 @@ def build_crd() -> dict[str, Any]:
             "scope": "Namespaced",
             "versions": [{
                 "name": API_VERSION, "served": True, "storage": True,
-                "subresources": {"status": {}},
+                "subresources": {"status": {}, "scale": SCALE_SUBRESOURCE},
                 "additionalPrinterColumns": PRINTER_COLUMNS,
                 "schema": {"openAPIV3Schema": root},
             }],

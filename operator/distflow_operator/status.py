@@ -35,9 +35,10 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 from pydantic.alias_generators import to_camel
 
+from distflow_operator import MANAGER
 from distflow_operator.observed import JobView, PodView, format_time
 from distflow_operator.policy import Decision, NodeFailure
-from distflow_operator.render import node_pools
+from distflow_operator.render import LABEL_JOB, LABEL_MANAGED_BY, node_pools
 
 PHASES = ("Pending", "Starting", "Running", "Restarting", "Succeeded", "Failed", "Suspended")
 CONDITION_TYPES = ("Ready", "Restarting", "Suspended", "Succeeded", "Failed", "VersionSkew")
@@ -127,6 +128,10 @@ class JobStatus(_Status):
     """Node pods of the current attempt that are Ready."""
     nodes: str = "0/0"
     """ready/desired, for kubectl get."""
+    replicas: int = 0
+    """Node pods of the current attempt (running or exited 0): the scale subresource's status replicas."""
+    selector: str | None = None
+    """Label selector of the job's node pods (scale subresource; an HPA reads their metrics with it)."""
     start_time: str | None = None
     """When the current run's pods were first created."""
     completion_time: str | None = None
@@ -246,6 +251,11 @@ def _pools(job: JobView, current: Sequence[PodView]) -> list[PoolStatus] | None:
             for pool in node_pools(job.spec)]
 
 
+def node_selector(job_name: str) -> str:
+    """The label selector (string form) of job ``job_name``'s node pods."""
+    return f"{LABEL_MANAGED_BY}={MANAGER},{LABEL_JOB}={job_name}"
+
+
 def compute_status(job: JobView, pods: Sequence[PodView], decision: Decision, now: datetime,
                    scraped: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """The job's new status (camelCase mapping, as written to the API).
@@ -276,7 +286,7 @@ def compute_status(job: JobView, pods: Sequence[PodView], decision: Decision, no
         phase=phase, reason=reason, message=message, observed_generation=job.generation,
         attempt=state.attempt, restarts=state.restarts, disruptions=state.disruptions,
         desired_nodes=desired, ready_nodes=ready,
-        nodes=f"{ready}/{desired}",
+        nodes=f"{ready}/{desired}", replicas=running, selector=node_selector(job.name),
         start_time=format_time(state.start_time) if state.start_time else None,
         completion_time=format_time(state.completion_time) if state.completion_time else None,
         last_restart_time=format_time(state.last_restart_time) if state.last_restart_time else None,

@@ -75,7 +75,9 @@ def test_names_scope_and_status_subresource(crd):
                              "shortNames": ["rljob"], "categories": ["distflow"]}
     version = spec["versions"][0]
     assert (version["name"], version["served"], version["storage"]) == ("v1alpha1", True, True)
-    assert version["subresources"] == {"status": {}}
+    assert version["subresources"] == {
+        "status": {}, "scale": {"specReplicasPath": ".spec.cluster.numNodes",
+                                "statusReplicasPath": ".status.replicas", "labelSelectorPath": ".status.selector"}}
 
 
 def test_printer_columns_show_phase_nodes_step_throughput_restarts_age(crd):

@@ -209,3 +209,17 @@ def test_preflight_rejects_model_paths_no_worker_could_load(tmp_path):
         with pytest.raises(DistflowConfigError, match=f"spec.model.path .*{message}"):
             preflight(parse_spec({**MINIMAL, "model": {"path": path}}))
     preflight(parse_spec({**MINIMAL, "model": {"path": "org/name"}}))  # a hub id: checked when downloaded
+
+
+@pytest.mark.parametrize("cluster, expected", [
+    ({"numNodes": 1, "minNodes": 2}, ["spec.cluster.numNodes: 1 is below cluster.minNodes=2; "
+                                      "use at least 2 or lower minNodes"]),
+    ({"numNodes": 8, "maxNodes": 4}, ["spec.cluster.numNodes: 8 is above cluster.maxNodes=4; "
+                                      "use at most 4 or raise maxNodes"]),
+    ({"numNodes": 2, "minNodes": 3, "maxNodes": 2}, ["spec.cluster.minNodes: 3 is above cluster.maxNodes=2; "
+                                                     "use at most 2"]),
+])
+def test_resize_bounds_hold_num_nodes(cluster, expected):
+    assert _problems({**MINIMAL, "cluster": cluster}) == expected
+    spec = parse_spec({**MINIMAL, "cluster": {"numNodes": 2, "minNodes": 2, "maxNodes": 4}})
+    assert (spec.cluster.min_nodes, spec.cluster.num_nodes, spec.cluster.max_nodes) == (2, 2, 4)

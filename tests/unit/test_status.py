@@ -238,3 +238,11 @@ def test_a_failure_in_either_pool_restarts_the_whole_gang(rank):
     # Once the old attempt is gone and the backoff has passed, every rank of both pools is created again.
     again = decide(make_async_job(status), [], later)
     assert sorted(again.create_ranks) == [0, 1, 2]
+
+
+def test_scale_subresource_fields_count_current_attempt_pods_and_select_them():
+    status = status_for(make_job({"phase": "Starting", "attempt": 2, "startTime": EARLIER}),
+                        [pod(0, attempt=2), pod(1, attempt=2, phase="Pending"), pod(0, attempt=1)])
+    assert (status["replicas"], status["desiredNodes"]) == (1, 2)
+    assert status["selector"] == "app.kubernetes.io/managed-by=distflow-operator,distflow.io/job-name=grpo"
+    assert status_for(make_job(), [])["replicas"] == 0

@@ -330,7 +330,11 @@ class WorkflowSpec(SpecBase):
 
 class ClusterSpec(SpecBase):
     num_nodes: int = Field(default=1, ge=1, le=4096)
-    """Nodes (pods); locally, groups of processes with their own data buffer."""
+    """Nodes (pods); locally, groups of processes with their own data buffer (`kubectl scale` sets it)."""
+    min_nodes: int | None = Field(default=None, ge=1, le=4096)
+    """Fewest nodes a resize may leave (kubectl scale, an autoscaler); None: 1."""
+    max_nodes: int | None = Field(default=None, ge=1, le=4096)
+    """Most nodes a resize may ask for; None: no bound beyond numNodes' own (4096)."""
     procs_per_node: int = Field(default=1, ge=1, le=64)
     """Worker processes per node: one per accelerator (or CPU slot)."""
     device: Literal["auto", "cpu", "cuda"] = "auto"

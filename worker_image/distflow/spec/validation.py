@@ -33,7 +33,21 @@ def train_world(spec: JobSpec) -> int:
     return spec.world_size - rollout_world(spec) if spec.async_.enable else spec.world_size
 
 
+def node_bound_problems(spec: JobSpec):
+    """cluster.numNodes within [cluster.minNodes, cluster.maxNodes] (a resize's bounds)."""
+    cluster = spec.cluster
+    low, high, nodes = cluster.min_nodes, cluster.max_nodes, cluster.num_nodes
+    if low is not None and high is not None and low > high:
+        yield f"cluster.minNodes: {low} is above cluster.maxNodes={high}; use at most {high}"
+        return
+    if low is not None and nodes < low:
+        yield f"cluster.numNodes: {nodes} is below cluster.minNodes={low}; use at least {low} or lower minNodes"
+    if high is not None and nodes > high:
+        yield f"cluster.numNodes: {nodes} is above cluster.maxNodes={high}; use at most {high} or raise maxNodes"
+
+
 def size_problems(spec: JobSpec):
+    yield from node_bound_problems(spec)
     if spec.async_.enable and (problems := list(_pool_problems(spec))):
         yield from problems
         return

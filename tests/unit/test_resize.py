@@ -1,0 +1,36 @@
+"""The worker's resize request: read from the mounted ConfigMap key, agreed over the ranks."""
+
+from __future__ import annotations
+
+import pytest
+
+from distflow.resize import EXIT_RESIZE, ResizeWatch, requested_nodes
+
+pytestmark = pytest.mark.unit
+
+
+@pytest.mark.parametrize("text, expected", [
+    ('{"numNodes": 3}', 3), ("", None), ('{"numNodes": 0}', None), ('{"numNodes": true}', None),
+    ('{"numNodes": "3"}', None), ("[3]", None), ('{"numNo', None),
+])
+def test_request_file_is_read_strictly(tmp_path, text, expected):
+    (tmp_path / "resize").write_text(text)
+    assert requested_nodes(tmp_path / "resize") == expected
+
+
+def test_missing_file_is_no_request(tmp_path):
+    assert requested_nodes(tmp_path / "resize") is None
+    assert ResizeWatch(tmp_path / "resize", 2).should_stop() is False
+
+
+def test_stop_only_for_another_size_and_when_any_rank_saw_it(tmp_path):
+    path = tmp_path / "resize"
+    path.write_text('{"numNodes": 2}')
+    assert ResizeWatch(path, 2).should_stop() is False
+    path.write_text('{"numNodes": 3}')
+    assert ResizeWatch(path, 2).should_stop() is True
+    # A rank whose volume has not caught up still stops when another rank saw the request.
+    flags = []
+    late = ResizeWatch(tmp_path / "absent", 2, agree=lambda f: flags.append(f) or max(f, 1))
+    assert late.should_stop() is True and flags == [0]
+    assert EXIT_RESIZE == 3
