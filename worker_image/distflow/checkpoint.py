@@ -215,8 +215,9 @@ def save(root: str | os.PathLike, step: int, worker, keep_last: int) -> str:
     error = _agree(error)
     if error is None:
         try:
-            if worker.trains:  # a rollout pool (distflow.pools) holds no trained state
-                dcp.save(_train_state(worker), checkpoint_id=store.location(work), process_group=worker.train_group)
+            if _trains(worker):  # a rollout pool (distflow.pools) holds no trained state
+                dcp.save(_train_state(worker), checkpoint_id=store.location(work),
+                         process_group=getattr(worker, "train_group", None))
             with store.fs.open(store.path(work, f"rank_{rank:05d}.pt"), "wb") as f:
                 torch.save({"rng": _rng_state()}, f)
         except (Exception, CheckpointException) as err:  # noqa: BLE001 - every rank must reach _agree
@@ -277,6 +278,12 @@ def _fsync_dir(store: _Store) -> None:
         os.close(fd)
 
 
+def _trains(worker) -> bool:
+    """Whether ``worker`` holds trained state: every worker in sync mode; the trainer pool's
+    (``distflow.pools``), whose rollout pool has only its replicas, refilled from the trainers."""
+    return getattr(worker, "trains", True)
+
+
 def _train_state(worker) -> dict:
     """The state dicts torch.distributed.checkpoint saves and reshards: actor, and critic when trained (ppo).
 
@@ -326,9 +333,9 @@ def load_latest(root: str | os.PathLike, worker) -> int:
         return 0
     with store.fs.open(store.path(name, "trainer.json"), "rb") as f:
         meta = json.loads(f.read())
-    if worker.trains:
+    if _trains(worker):
         state = _train_state(worker)
-        dcp.load(state, checkpoint_id=store.location(name), process_group=worker.train_group)
+        dcp.load(state, checkpoint_id=store.location(name), process_group=getattr(worker, "train_group", None))
         set_state_dict(worker.actor.model, worker.actor.optimizer,
                        model_state_dict=state["model"], optim_state_dict=state["optim"])
     if worker.critic is not None:
