@@ -99,6 +99,9 @@ def _pool_problems(spec: JobSpec):
     if spec.rollout.engine != "hf":
         yield ("rollout.engine: the asynchronous mode generates with the hf engine for now; set rollout.engine: "
                "hf or async.enable: false")
+    if spec.algorithm.filter_groups.enable:
+        yield ("async.enable: dynamic sampling (algorithm.filterGroups) regenerates within the step, which the "
+               "asynchronous mode does not support yet; disable algorithm.filterGroups or set async.enable: false")
     if spec.data_plane.mode == "centralized":
         yield ("dataPlane.mode: centralized routes every edge through rank 0, which trains in the "
                "asynchronous mode; use distributed or async.enable: false")
