@@ -56,7 +56,7 @@ def test_two_pool_job_gets_pool_pods_pod_groups_status_and_restarts_from_either_
     status, body = api.create_job(doc)
     assert status == 201, body
 
-    pods = api.wait_running_gang("pools", attempt=1, num_nodes=3)
+    pods = api.wait_running_gang("pools", attempt=1, num_nodes=3, timeout_s=120)  # a loaded scheduler
     for rank, pod in enumerate(pods):
         labels = pod["metadata"]["labels"]
         pool = "trainer" if rank < 2 else "rollout"
@@ -77,7 +77,7 @@ def test_two_pool_job_gets_pool_pods_pod_groups_status_and_restarts_from_either_
     assert sorted((g["metadata"]["name"], g["spec"]["minMember"], g["spec"]["minResources"]["nvidia.com/gpu"])
                   for g in groups["items"]) == [("pools-rollout", 1, "1"), ("pools-trainer", 2, "2")]
 
-    status = wait_for(lambda: (s := api.status("pools")).get("readyNodes") == 3 and s, 30, what="3 ready")
+    status = wait_for(lambda: (s := api.status("pools")).get("readyNodes") == 3 and s, 120, what="3 ready")
     assert status["pools"] == [{"name": "trainer", "nodes": 2, "ready": 2}, {"name": "rollout", "nodes": 1, "ready": 1}]
 
     # Deleting the rollout pod restarts the whole gang; then a trainer pod does it again.
