@@ -43,7 +43,7 @@ from distflow.engines.rollout import HfRollout, render_prompt, step_seed
 from distflow.exporter import NodeExporter
 from distflow.metrics import JsonlWriter, StepMetrics
 from distflow.models import DTYPES, load_tokenizer, model_cache_dir, resolve_model
-from distflow.planner import ROLLOUT, build_plan
+from distflow.planner import ROLLOUT, TRAIN, build_plan
 from distflow.spec import JobSpec
 from distflow.spec.defaults import kv_cache_bytes_per_token, kv_cache_micro_batch_size, resolve_device_defaults
 from distflow.fields import check_stage_output
@@ -234,14 +234,16 @@ class DagWorker:
         self.spec = spec.model_copy(update={"rollout": spec.rollout.model_copy(update={"micro_batch_size": micro})})
 
     def _build_critic(self, mesh) -> None:
-        """The value model (when the workflow has critic or values nodes) and the in-reward KL coefficient."""
+        """The in-reward KL coefficient (every rank: reward shaping may run on either pool) and, on
+        the ranks that train, the value model (when the workflow has critic or values nodes),
+        sharded over the train layout's ranks (every rank in sync mode, the trainer pool's with pools)."""
         self.kl_ctrl = build_kl_controller(self.spec.algorithm.kl_ctrl)
         self.critic = None
-        if any(n.role in ("critic", "values") for n in self.plan.chain):
+        if self.trains and any(n.role in ("critic", "values") for n in self.plan.chain):
             path = self.spec.critic.path
             model_dir = self.env.model_dir if path is None else str(resolve_model(path, model_cache_dir()))
             self.critic = build_critic(self.spec, model_dir, self.tokenizer.pad_token_id, mesh,
-                                       self.env.world_size, self.device)
+                                       self.plan.layouts[TRAIN].num_ranks, self.device)
 
     def _build_data(self) -> None:
         spec = self.spec

@@ -43,11 +43,10 @@ from distflow.engines.actor import Actor
 from distflow.engines.loading import load_sharded_causal_lm, rollout_replica
 from distflow.engines.rollout import HfRollout
 from distflow.metrics import StepMetrics
-from distflow.engines.critic import build_critic
-from distflow.models import DTYPES, load_tokenizer, model_cache_dir, resolve_model
+from distflow.models import DTYPES, load_tokenizer
 from distflow.planner import ROLLOUT, TRAIN
 from distflow.pools.weight_sync import WeightSync
-from distflow.stages import STAGES, StageModels, build_kl_controller
+from distflow.stages import STAGES, StageModels
 from distflow.worker import DagWorker, _seed_everything
 
 log = logging.getLogger(__name__)
@@ -118,16 +117,6 @@ class PoolWorker(DagWorker):
         self.version = 0
         """Optimizer steps of the weights this rank generates with (rollout) or trains (trainer)."""
 
-    def _build_critic(self, mesh) -> None:
-        """The KL controller on every rank (reward shaping may run on either pool); the value
-        model on the trainer pool, sharded over it."""
-        self.kl_ctrl, self.critic = build_kl_controller(self.spec.algorithm.kl_ctrl), None
-        if self.trains and any(n.role in ("critic", "values") for n in self.plan.chain):
-            path = self.spec.critic.path
-            model_dir = self.env.model_dir if path is None else str(resolve_model(path, model_cache_dir()))
-            self.critic = build_critic(self.spec, model_dir, self.tokenizer.pad_token_id, mesh,
-                                       self.train_layout.num_ranks, self.device)
-
     def _build_data(self) -> None:
         spec = self.spec
         dp = self.rollout_layout.dp_size
@@ -141,15 +130,12 @@ class PoolWorker(DagWorker):
                                           seed=spec.data.seed, shuffle=spec.data.shuffle)
         self.eval_records, self.eval_indices = [], []
         if spec.data.eval is not None and self.trains:
-            source = self._fit_prompts_local(dataset_source(spec.data.eval), "data.eval")
+            source = self._fit_prompts(dataset_source(spec.data.eval), "data.eval")
             trainers = self.train_layout.num_ranks
             self.eval_indices = [i for i in range(source.num_records) if i % trainers == self.rank]
             self.eval_records = source.read(self.eval_indices)
         elif spec.data.eval is not None:
-            self._fit_prompts_local(dataset_source(spec.data.eval), "data.eval")
-
-    def _fit_prompts_local(self, source, field: str):
-        return self._fit_prompts(source, field)  # collective over the world: every rank scans a share
+            self._fit_prompts(dataset_source(spec.data.eval), "data.eval")  # collective: every rank scans a share
 
     # ---- one iteration ---------------------------------------------------------------------
 
