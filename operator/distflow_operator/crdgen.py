@@ -63,9 +63,12 @@ CHOICES: dict[tuple[str, ...], tuple[str, ...]] = {
 }
 """Spec paths (``*`` = list item) of strings validated against a list -> their enum."""
 
-IMMUTABLE = ("model", "data", "rollout", "algorithm", "actor", "workflow", "cluster", "dataPlane",
+IMMUTABLE = ("model", "data", "rollout", "algorithm", "actor", "workflow", "dataPlane",
              "checkpoint", "trainer", "async")
 """What the pods compute: fixed for the job's life (runPolicy stays editable)."""
+RESIZABLE = {"cluster": "numNodes"}
+"""Sections fixed for the job's life but for one field: ``cluster.numNodes`` changes by a resize
+(``kubectl scale``; the operator restarts the gang at the new size from a checkpoint)."""
 
 MAX_NAME_LENGTH = MAX_JOB_NAME_LENGTH
 
@@ -238,8 +241,28 @@ def spec_schema() -> dict[str, Any]:
             "rule": "self == oldSelf",
             "message": f"spec.{name} cannot change while the job exists; create a new job "
                        f"(it resumes from spec.checkpoint.dir)"}]
+    for name, mutable in RESIZABLE.items():
+        section = schema["properties"][name]
+        section["x-kubernetes-validations"] = [{
+            "rule": _all_but_unchanged(section, mutable),
+            "message": f"spec.{name} cannot change while the job exists, except spec.{name}.{mutable} "
+                       f"(a resize); create a new job (it resumes from spec.checkpoint.dir)"}]
     schema["x-kubernetes-validations"] = SPEC_RULES
     return schema
+
+
+def _all_but_unchanged(section: dict[str, Any], mutable: str) -> str:
+    """CEL: every field of ``section`` but ``mutable`` equals its old value (set or unset alike)."""
+    terms = []
+    for field in sorted(section["properties"]):
+        if field == mutable:
+            continue
+        if "default" in section["properties"][field]:
+            terms.append(f"self.{field} == oldSelf.{field}")
+        else:
+            terms.append(f"(has(self.{field}) ? has(oldSelf.{field}) && self.{field} == oldSelf.{field} "
+                         f": !has(oldSelf.{field}))")
+    return " && ".join(terms)
 
 
 def status_schema() -> dict[str, Any]:

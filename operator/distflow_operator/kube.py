@@ -213,13 +213,24 @@ class KubeApi:
         if _controller_uid(current) != owner.uid:
             raise ChildConflict(f"{obj['kind']} {meta['name']} exists and is not controlled by "
                                 f"{KIND} {owner.name}; delete or rename it")
-        if obj["kind"] == "ConfigMap" and current.get("data") != obj["data"]:
-            self.request("PATCH", path, {"data": obj["data"]}, content_type="application/merge-patch+json",
-                         query=[("fieldManager", MANAGER)])
+        if obj["kind"] == "ConfigMap" and (current.get("data") or {}) != obj["data"]:
+            # Exactly the rendered keys: a resize request of the attempt before goes (set_config_map_key).
+            stale = {key: None for key in current.get("data") or {} if key not in obj["data"]}
+            self.request("PATCH", path, {"data": {**stale, **obj["data"]}},
+                         content_type="application/merge-patch+json", query=[("fieldManager", MANAGER)])
         if obj["kind"] == "PodGroup" and (patch := pod_group_patch(current.get("spec") or {}, obj["spec"])):
             # spec.scheduling may change while the job is suspended; the gang must follow.
             self.request("PATCH", path, {"spec": patch}, content_type="application/merge-patch+json",
                          query=[("fieldManager", MANAGER)])
+
+    def set_config_map_key(self, namespace: str, name: str, key: str, value: str | None) -> None:
+        """Set (or, with None, remove) one key of ConfigMap ``name``, leaving the others as they are.
+
+        Raises:
+            KubeApiError: the ConfigMap is missing (404) or the API server refuses the patch.
+        """
+        self.request("PATCH", f"{collection_path('v1', 'ConfigMap', namespace)}/{name}", {"data": {key: value}},
+                     content_type="application/merge-patch+json", query=[("fieldManager", MANAGER)])
 
     def delete_pod(self, namespace: str, name: str, uid: str) -> bool:
         """Delete one pod, only if it is still the object ``uid``; True if it is gone already (404/409:

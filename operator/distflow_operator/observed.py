@@ -77,6 +77,8 @@ class PodView:
     """Pod message or the container's termination message (first 400 characters)."""
     pod_ip: str | None = None
     metrics_port: int | None = None
+    num_nodes: int | None = None
+    """The gang size the pod was created for (its node container's PET_NNODES)."""
 
 
 def _conditions(status: Mapping[str, Any]) -> dict[str, str]:
@@ -96,6 +98,14 @@ def _metrics_port(spec: Mapping[str, Any]) -> int | None:
         for port in container.get("ports") or []:
             if port.get("name") == "metrics":
                 return port.get("containerPort")
+    return None
+
+
+def _num_nodes(spec: Mapping[str, Any]) -> int | None:
+    for container in spec.get("containers") or []:
+        if container.get("name") == CONTAINER_NAME:
+            value = next((e.get("value") for e in container.get("env") or [] if e.get("name") == "PET_NNODES"), None)
+            return int(value) if isinstance(value, str) and value.isdigit() else None
     return None
 
 
@@ -130,6 +140,7 @@ def pod_view(pod: Mapping[str, Any]) -> PodView:
         message=(status.get("message") or terminated.get("message") or "").strip()[:400],
         pod_ip=status.get("podIP"),
         metrics_port=_metrics_port(spec),
+        num_nodes=_num_nodes(spec),
     )
 
 
@@ -153,6 +164,14 @@ class JobView:
     """The status as last written (by this operator)."""
     kueue_queue: str | None = None
     """The job's kueue.x-k8s.io/queue-name label (its pods then form Kueue pod groups)."""
+    requested_nodes: int | None = None
+    """spec.cluster.numNodes as written, even when the spec is invalid (a resize the operator refuses)."""
+
+
+def _requested_nodes(spec: Any) -> int | None:
+    cluster = spec.get("cluster") if isinstance(spec, Mapping) else None
+    nodes = cluster.get("numNodes") if isinstance(cluster, Mapping) else None
+    return nodes if isinstance(nodes, int) and not isinstance(nodes, bool) else None
 
 
 def job_view(body: Mapping[str, Any], status: Mapping[str, Any] | None = None) -> JobView:
@@ -182,6 +201,7 @@ def job_view(body: Mapping[str, Any], status: Mapping[str, Any] | None = None) -
         unknown_fields=unknown,
         status=dict(status if status is not None else body.get("status") or {}),
         kueue_queue=(meta.get("labels") or {}).get(KUEUE_QUEUE_LABEL) or None,
+        requested_nodes=_requested_nodes(body.get("spec")),
     )
 
 

@@ -34,7 +34,30 @@ labelled ``distflow.io/attempt=a``. Decisions, in order:
    deletes the pod. The runtime resumes from its last checkpoint.
 6. All nodes exited 0: Succeeded. A rank that exited 0 stays done
    (``succeededRanks``) when the pod garbage collector removes its pod.
-7. Otherwise pods of older attempts are deleted first, then, once they are gone
+7. A resize: ``cluster.numNodes`` (``kubectl scale``) differs from the size
+   the current attempt's pods were created for (``attemptNodes`` in the
+   status). While every node pod of the attempt runs, the operator writes the
+   new size into the ConfigMap key ``resize`` (``decision.resize_request``)
+   and waits: the workers save a checkpoint at their next step boundary and
+   exit with code 3 (``EXIT_RESIZE``). The first such exit, while a request
+   is pending, ends the attempt: the other pods are deleted (the checkpoint is
+   complete before any worker exits), and attempt a+1 starts at the new size
+   at once, counting no restart and no disruption, with no backoff; the
+   runtime resumes the checkpoint at the new world size. A gang that is not
+   running yet (a pod Pending or missing) is replaced at the new size
+   directly. Failures before the stop take the ordinary path of 5 (the
+   restart is at the new size; the request is dropped). A size set back
+   before the stop withdraws the request. Exit code 3 without a pending
+   request (a request withdrawn too late) restarts the gang like an
+   ``Ignore`` exit code (not counted, with backoff, so it cannot loop) unless
+   an ``exitCodeRules`` entry names code 3.
+   ``status.resizing`` holds the resize in flight; ``status.lastResize`` the
+   last one done, with when it was requested, when the first worker stopped,
+   when the new attempt's pods all ran, and that downtime in seconds. A size
+   the operator cannot read (the spec's own checks refuse it; the API
+   server's CEL rules normally do first) is held as in 2, with reason
+   ResizeRefused: the job keeps running at its size.
+8. Otherwise pods of older attempts are deleted first, then, once they are gone
    and the backoff has passed, missing ranks are created. A pod still
    Terminating ``terminatingTimeoutSeconds`` after its grace period (its node
    is gone and no kubelet confirms) is force-deleted; meanwhile the status
@@ -58,6 +81,8 @@ from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, replace
 from datetime import datetime
 from typing import Any
+
+from distflow.resize import EXIT_RESIZE
 
 from distflow_operator.observed import JobView, PodView, parse_time
 from distflow_operator.render import pod_name
@@ -109,6 +134,30 @@ class NodeFailure:
 
 
 @dataclass(frozen=True)
+class Resize:
+    """One resize of the gang, from the request to the new attempt running (times in UTC)."""
+
+    from_nodes: int
+    to_nodes: int
+    requested_at: datetime
+    """When the operator saw the new size (and asked the workers to stop, if they ran)."""
+    stopped_at: datetime | None = None
+    """When the first worker exited for it (or the gang that had not started was replaced)."""
+    resumed_at: datetime | None = None
+    """When every node pod of the new attempt was running."""
+    attempt: int | None = None
+    """The attempt that runs at ``to_nodes``, once started."""
+
+    @property
+    def cost_seconds(self) -> float | None:
+        """Seconds from the stop to the new attempt's pods all running (model loading and the first
+        step after come on top); None until resumed."""
+        if self.stopped_at is None or self.resumed_at is None:
+            return None
+        return (self.resumed_at - self.stopped_at).total_seconds()
+
+
+@dataclass(frozen=True)
 class RunState:
     """The run-policy state the operator keeps in the job's status."""
 
@@ -125,6 +174,13 @@ class RunState:
     succeeded_ranks: frozenset[int] = frozenset()
     """Ranks of the current attempt that exited 0 (their pods may be garbage-collected since)."""
     last_failure: NodeFailure | None = None
+    attempt_nodes: int | None = None
+    """Nodes the current attempt's pods were created for; None: not recorded (then spec.cluster.numNodes,
+    or what the attempt's pods' ranks show)."""
+    resizing: Resize | None = None
+    """The resize in flight: requested, not yet running at its new size."""
+    last_resize: Resize | None = None
+    """The last resize done."""
 
 
 @dataclass(frozen=True)
@@ -180,6 +236,8 @@ class Decision:
     """ttlSecondsAfterFinished has passed."""
     requeue_after: float | None = None
     """Seconds until a time-based decision is due (backoff, deadline, TTL)."""
+    resize_request: int | None = None
+    """The node count the ConfigMap key ``resize`` must hold; None: no key (no request)."""
 
 
 def run_state(status: Mapping[str, Any], pods: Sequence[PodView]) -> RunState:
@@ -189,6 +247,9 @@ def run_state(status: Mapping[str, Any], pods: Sequence[PodView]) -> RunState:
     same_attempt = (status.get("attempt") or 1) == attempt
     failure = status.get("lastFailure")
     return RunState(
+        attempt_nodes=status.get("attemptNodes") if same_attempt else None,
+        resizing=_parse_resize(status.get("resizing")),
+        last_resize=_parse_resize(status.get("lastResize")),
         attempt=attempt,
         restarts=status.get("restarts") or 0,
         disruptions=status.get("disruptions") or 0,
@@ -204,6 +265,13 @@ def run_state(status: Mapping[str, Any], pods: Sequence[PodView]) -> RunState:
     )
 
 
+def _parse_resize(raw: Mapping[str, Any] | None) -> Resize | None:
+    if not raw:
+        return None
+    return Resize(raw["from"], raw["to"], parse_time(raw["requestedAt"]), parse_time(raw.get("stoppedAt")),
+                  parse_time(raw.get("resumedAt")), raw.get("attempt"))
+
+
 def restart_backoff(backoff_seconds: float, restarts: int) -> float:
     """Delay before the job's gang restart number ``restarts`` (1-based, counted or not), in seconds."""
     if restarts < 1:
@@ -217,8 +285,11 @@ def refused_retry_delay(tries: int) -> float:
 
 
 def _new_attempt(state: RunState, **changes: Any) -> RunState:
-    """The next attempt: what was observed of the pods of this one no longer applies."""
-    return replace(state, attempt=state.attempt + 1, pod_errors=(), succeeded_ranks=frozenset(), **changes)
+    """The next attempt: what was observed of the pods of this one no longer applies. A resize in
+    flight ends with it, unless ``changes`` carries it on (the new attempt starts at the spec's size)."""
+    changes.setdefault("resizing", None)
+    return replace(state, attempt=state.attempt + 1, pod_errors=(), succeeded_ranks=frozenset(),
+                   attempt_nodes=None, **changes)
 
 
 def _observe(state: RunState, current: Sequence[PodView], now: datetime) -> RunState:
@@ -269,6 +340,9 @@ def _pod_failure(pod: PodView, job: JobView, state: RunState, now: datetime) -> 
         if pod.disrupted:
             return "Ignore", Outcome("Restarting", "NodeDisrupted", detail)
         rule = next((r for r in job.spec.run_policy.exit_code_rules if pod.exit_code in r.exit_codes), None)
+        if pod.exit_code == EXIT_RESIZE and rule is None:  # with a request pending, _resize_stop took it
+            return "Ignore", Outcome("Restarting", "StoppedWithoutResize",
+                                     f"{detail}: a stop for a resize that is no longer requested")
         if rule is not None and rule.action == "FailJob":
             reason = "InvalidConfig" if pod.exit_code == 2 else "FailJobExitCode"
             return "FailJob", Outcome("Failed", reason, f"{detail}; runPolicy.exitCodeRules: FailJob")
@@ -381,15 +455,79 @@ def _advance(job: JobView, pods: Sequence[PodView], state: RunState, now: dateti
         return Decision(state, delete_pods=tuple(p for p in stale if not p.deleting), force_delete_pods=stuck,
                         waiting=waiting, requeue_after=_min(deadline_left, stuck_in))
     wait = 0.0
-    if state.last_restart_time is not None:
+    resized = state.resizing is not None and state.resizing.attempt == state.attempt
+    if state.last_restart_time is not None and not resized:
         delay = restart_backoff(job.spec.run_policy.backoff_seconds, state.restarts + state.disruptions)
         wait = max(0.0, delay - (now - state.last_restart_time).total_seconds())
     missing = tuple(r for r in range(num_nodes) if r not in current | state.succeeded_ranks)
     if wait > 0 or not missing:
         return Decision(state, requeue_after=_min(wait or None, deadline_left))
-    state = replace(state, start_time=state.start_time or now)
+    state = replace(state, start_time=state.start_time or now, attempt_nodes=num_nodes)
     limit = job.spec.run_policy.active_deadline_seconds
     return Decision(state, create_ranks=missing, requeue_after=_min(deadline_left, limit))
+
+
+def _attempt_nodes(job: JobView, current: Sequence[PodView], state: RunState) -> int:
+    """The size the current attempt runs at: as recorded, else (a status an older operator wrote)
+    as its pods were created (PET_NNODES), else the spec's."""
+    if state.attempt_nodes is not None:
+        return state.attempt_nodes
+    return next((p.num_nodes for p in current if p.num_nodes), job.spec.cluster.num_nodes)
+
+
+def _settle(job: JobView, state: RunState, current: Sequence[PodView], now: datetime) -> RunState:
+    """The resize in flight is done once every node pod of its attempt runs; a request is withdrawn
+    once the spec's size is the attempt's again (the user set it back before the workers stopped)."""
+    resize = state.resizing
+    if resize is None:
+        return state
+    if resize.attempt is None:
+        withdrawn = job.spec.cluster.num_nodes == _attempt_nodes(job, current, state)
+        return replace(state, resizing=None) if withdrawn else state
+    if resize.attempt != state.attempt:
+        return state
+    if sum(p.phase == "Running" and not p.deleting for p in current) < resize.to_nodes:
+        return state
+    return replace(state, resizing=None, last_resize=replace(resize, resumed_at=now))
+
+
+def _resize_stop(job: JobView, pods: Sequence[PodView], current: Sequence[PodView], state: RunState,
+                 now: datetime) -> Decision | None:
+    """A worker exited with EXIT_RESIZE while a resize is requested: the new attempt at the spec's size."""
+    resize = state.resizing
+    stopped = sorted(p.name for p in current if p.phase == "Failed" and p.exit_code == EXIT_RESIZE)
+    if resize is None or resize.attempt is not None or not stopped:
+        return None
+    num_nodes = job.spec.cluster.num_nodes
+    resize = replace(resize, to_nodes=num_nodes, stopped_at=now, attempt=state.attempt + 1)
+    state = _new_attempt(state, resizing=resize)
+    return Decision(state, restart=Outcome("Restarting", "Resizing", (
+        f"node pod {stopped[0]} stopped at a step boundary for a resize from {resize.from_nodes} to "
+        f"{num_nodes} nodes (checkpoint saved); starting attempt {state.attempt} at {num_nodes} nodes "
+        "(not a restart)")), delete_pods=tuple(p for p in pods if not p.deleting))
+
+
+def _resize(job: JobView, pods: Sequence[PodView], current: Sequence[PodView], state: RunState,
+            now: datetime) -> Decision | None:
+    """spec.cluster.numNodes differs from the running attempt's size: ask the workers to stop, or
+    replace a gang that has not started; None when there is nothing to resize."""
+    num_nodes = job.spec.cluster.num_nodes
+    size = _attempt_nodes(job, current, state)
+    pending = state.resizing if state.resizing is not None and state.resizing.attempt is None else None
+    if num_nodes == size or not current or state.succeeded_ranks:
+        # Nothing to resize, an attempt not created yet (it starts at the spec's size), or ranks
+        # that already finished training.
+        return None
+    if len(current) < size or any(p.phase != "Running" for p in current):
+        resize = Resize(size, num_nodes, pending.requested_at if pending else now, now, attempt=state.attempt + 1)
+        state = _new_attempt(state, resizing=resize)
+        return Decision(state, restart=Outcome("Restarting", "Resizing", (
+            f"cluster.numNodes changed from {size} to {num_nodes} before the gang ran; replacing its pods "
+            f"as attempt {state.attempt} at {num_nodes} nodes (not a restart)")),
+            delete_pods=tuple(p for p in pods if not p.deleting))
+    if pending is None or pending.to_nodes != num_nodes:
+        pending = Resize(size, num_nodes, pending.requested_at if pending else now)
+    return Decision(replace(state, resizing=pending), resize_request=num_nodes)
 
 
 def decide(job: JobView, pods: Sequence[PodView], now: datetime, lost: Collection[str] = (),
@@ -409,7 +547,12 @@ def decide(job: JobView, pods: Sequence[PodView], now: datetime, lost: Collectio
         return _finish(job, pods, state, now, Outcome(
             prev_phase, job.status.get("reason", prev_phase), job.status.get("message", "")))
     if job.spec is None and (state.start_time is not None or pods):
-        return Decision(state, held=Outcome(prev_phase or "Pending", "UnreadableSpec", (
+        request = state.resizing.to_nodes if state.resizing and state.resizing.attempt is None else None
+        if state.attempt_nodes is not None and job.requested_nodes not in (None, state.attempt_nodes):
+            return Decision(state, resize_request=request, held=Outcome(prev_phase or "Pending", "ResizeRefused", (
+                f"spec.cluster.numNodes={job.requested_nodes} cannot be applied; the job keeps running at "
+                f"{state.attempt_nodes} nodes: " + "; ".join(job.problems))))
+        return Decision(state, resize_request=request, held=Outcome(prev_phase or "Pending", "UnreadableSpec", (
             "this operator cannot read the spec (operator and CRD versions differ?); the running "
             "job is left as it is until the spec or the operator is fixed: " + "; ".join(job.problems))))
     if job.spec is None:
@@ -423,7 +566,9 @@ def decide(job: JobView, pods: Sequence[PodView], now: datetime, lost: Collectio
     if past_deadline:
         return _finish(job, pods, state, now, past_deadline)
     current = [p for p in pods if p.attempt == state.attempt]
-    state = _observe(state, current, now)
+    state = _settle(job, _observe(state, current, now), current, now)
+    if stop := _resize_stop(job, pods, current, state, now):
+        return stop
     failures = _failures(job, current, state, now, lost, disrupted)
     fatal = next((f for f in failures if f[0] == "FailJob"), None)
     if fatal:
@@ -438,6 +583,8 @@ def decide(job: JobView, pods: Sequence[PodView], now: datetime, lost: Collectio
     if len(state.succeeded_ranks) == job.spec.cluster.num_nodes:
         return _finish(job, pods, state, now, Outcome(
             "Succeeded", "Completed", f"all {len(state.succeeded_ranks)} nodes exited 0 (attempt {state.attempt})"))
+    if resize := _resize(job, pods, current, state, now):
+        return replace(resize, requeue_after=_min(resize.requeue_after, deadline_left))
     decision = _advance(job, pods, state, now, deadline_left)
     if refused is not None:
         decision = _hold_refused(decision, refused, refused_left, rejected, now)

@@ -40,8 +40,11 @@ from distflow_operator.observed import JobView, PodView, job_view, parse_time
 from distflow_operator.podcache import PodCache
 from distflow_operator.policy import Decision, Rejection, decide, run_state
 from distflow_operator.progress import scrape_progress
+from distflow.resize import RESIZE_KEY
+
 from distflow_operator.render import (
-    JobRef, build_config_map, build_headless_service, build_node_pod, build_pod_groups,
+    JobRef, build_config_map, build_headless_service, build_node_pod, build_pod_groups, config_map_name,
+    resize_request_value,
 )
 from distflow_operator.stale import STALE_REASON, UNOWNED_REASON, clear_stale_pods
 from distflow_operator.status import compute_status, status_patch, transition_events
@@ -86,6 +89,8 @@ class _JobMemory:
     """The API server's refusals of the node pods (4xx) since it last accepted one."""
     posted: dict[tuple[str, str, str], float] = field(default_factory=dict)
     """Events posted recently -> when: the same event is not posted again within EVENT_DEDUP_S."""
+    resize_request: int | None = None
+    """The node count last written to the ConfigMap key ``resize`` (None: none, or removed since)."""
 
     def lost(self, attempt: int, pods: Iterable[PodView]) -> dict[str, str]:
         """uid -> name of the pods of ``attempt`` seen before and gone now."""
@@ -286,6 +291,9 @@ class Reconciler:
         """
         try:
             await self._apply(job, decision)
+            if decision.create_ranks:
+                memory.resize_request = None  # the ConfigMap was written as rendered: without a request
+            await self._request_resize(job, memory, decision.resize_request)
         except KubeApiError as err:
             if decision.create_ranks and err.status in REFUSED_CREATE_ERRORS:
                 last, message = memory.rejected, _refusal_message(job, err)
@@ -302,6 +310,14 @@ class Reconciler:
         if decision.create_ranks:
             memory.rejected = None
         return True
+
+    async def _request_resize(self, job: JobView, memory: _JobMemory, num_nodes: int | None) -> None:
+        """Write (or withdraw) the ConfigMap's resize request when it differs from what was written."""
+        if num_nodes == memory.resize_request:
+            return
+        value = resize_request_value(num_nodes) if num_nodes is not None else None
+        await self.call(self._api.set_config_map_key, job.namespace, config_map_name(job.name), RESIZE_KEY, value)
+        memory.resize_request = num_nodes
 
     def _observe_transition(self, old: Mapping[str, Any], new: Mapping[str, Any], now: datetime) -> None:
         added = (new.get("restarts") or 0) - (old.get("restarts") or 0)

@@ -33,9 +33,12 @@ import copy
 from dataclasses import dataclass
 from typing import Any
 
+import json
+
 import yaml
 
 from distflow.errors import DistflowConfigError
+from distflow.resize import RESIZE_KEY
 from distflow.spec import API_GROUP, API_VERSION, KIND, JobSpec, render_spec_document
 
 from distflow_operator import MANAGER
@@ -184,6 +187,12 @@ def build_config_map(spec: JobSpec, owner: JobRef) -> dict[str, Any]:
     return {"apiVersion": "v1", "kind": "ConfigMap",
             "metadata": _metadata(config_map_name(owner.name), owner, job_labels(owner.name, "config")),
             "data": {SPEC_FILE: text}}
+
+
+def resize_request_value(num_nodes: int) -> str:
+    """The ConfigMap key ``resize``'s value asking the workers to stop for ``num_nodes`` nodes
+    (``distflow.resize`` reads it at every step boundary)."""
+    return json.dumps({"numNodes": num_nodes})
 
 
 def build_headless_service(spec: JobSpec, owner: JobRef) -> dict[str, Any]:

@@ -37,7 +37,7 @@ from pydantic.alias_generators import to_camel
 
 from distflow_operator import MANAGER
 from distflow_operator.observed import JobView, PodView, format_time
-from distflow_operator.policy import Decision, NodeFailure
+from distflow_operator.policy import Decision, NodeFailure, Resize
 from distflow_operator.render import LABEL_JOB, LABEL_MANAGED_BY, node_pools
 
 PHASES = ("Pending", "Starting", "Running", "Restarting", "Succeeded", "Failed", "Suspended")
@@ -96,6 +96,24 @@ class LastFailure(_Status):
     """When the operator decided on it (RFC 3339)."""
 
 
+class ResizeStatus(_Status):
+    from_: int = Field(alias="from")
+    """Nodes before the resize."""
+    to: int
+    """Nodes after it (spec.cluster.numNodes)."""
+    requested_at: str
+    """When the operator saw the new size and asked the workers to stop (RFC 3339)."""
+    stopped_at: str | None = None
+    """When the first worker stopped at a step boundary for it, checkpoint saved (RFC 3339)."""
+    resumed_at: str | None = None
+    """When every node pod of the new attempt was running (RFC 3339)."""
+    attempt: int | None = None
+    """The attempt that runs at the new size, once started."""
+    cost_seconds: float | None = None
+    """Seconds from stoppedAt to resumedAt: the gang's downtime as the operator sees it (model
+    loading and the first step after come on top)."""
+
+
 class PoolStatus(_Status):
     name: Literal["trainer", "rollout"]
     """The pool (async.enable): trainer (ranks 0 .. N-R-1) or rollout (the last async.rolloutPool.numNodes)."""
@@ -148,6 +166,12 @@ class JobStatus(_Status):
     """Ranks of the current attempt that exited 0 (kept when their pods are garbage-collected)."""
     last_failure: LastFailure | None = None
     """What ended the last failed attempt: kept after the restart deletes the pod and its logs."""
+    attempt_nodes: int | None = None
+    """Nodes the current attempt's pods were created for (differs from desiredNodes during a resize)."""
+    resizing: ResizeStatus | None = None
+    """The resize in flight (kubectl scale): requested, not yet running at its new size."""
+    last_resize: ResizeStatus | None = None
+    """The last resize done, with what it cost."""
     conditions: list[Condition] = Field(default_factory=list)
     """metav1.Condition-style conditions, one per type."""
 
@@ -242,6 +266,15 @@ def _last_failure(failure: NodeFailure | None) -> LastFailure | None:
                        exit_code=failure.exit_code, message=failure.message, time=format_time(failure.time))
 
 
+def _resize(resize: Resize | None) -> ResizeStatus | None:
+    if resize is None:
+        return None
+    return ResizeStatus(from_=resize.from_nodes, to=resize.to_nodes, requested_at=format_time(resize.requested_at),
+                        stopped_at=format_time(resize.stopped_at) if resize.stopped_at else None,
+                        resumed_at=format_time(resize.resumed_at) if resize.resumed_at else None,
+                        attempt=resize.attempt, cost_seconds=resize.cost_seconds)
+
+
 def _pools(job: JobView, current: Sequence[PodView]) -> list[PoolStatus] | None:
     """Desired and Ready node pods per pool of an asynchronous job; None for a synchronous one."""
     if job.spec is None or not job.spec.async_.enable:
@@ -280,8 +313,10 @@ def compute_status(job: JobView, pods: Sequence[PodView], decision: Decision, no
     running = sum(p.phase in ("Running", "Succeeded") for p in current) + collected
     scheduled = sum(p.scheduled or p.phase != "Pending" for p in current) + collected
     ready = sum(p.ready for p in current)
-    phase = _phase(job, decision, desired, running, scheduled)
-    reason, message = _explain(job, decision, phase, (desired, running, scheduled))
+    # While a resize is asked for, the gang runs at its attempt's size, not yet at the spec's.
+    size = state.attempt_nodes if state.attempt_nodes is not None else desired
+    phase = _phase(job, decision, size, running, scheduled)
+    reason, message = _explain(job, decision, phase, (size, running, scheduled))
     status = JobStatus(
         phase=phase, reason=reason, message=message, observed_generation=job.generation,
         attempt=state.attempt, restarts=state.restarts, disruptions=state.disruptions,
@@ -296,7 +331,8 @@ def compute_status(job: JobView, pods: Sequence[PodView], decision: Decision, no
                     for e in state.pod_errors] or None,
         succeeded_ranks=sorted(state.succeeded_ranks) or None,
         last_failure=_last_failure(state.last_failure),
-        conditions=_conditions(job, phase, reason, message, ready, desired, now,
+        attempt_nodes=state.attempt_nodes, resizing=_resize(state.resizing), last_resize=_resize(state.last_resize),
+        conditions=_conditions(job, phase, reason, message, ready, size, now,
                                _version_skew(job, decision)),
     )
     return status.model_dump(exclude_none=True)
@@ -317,6 +353,7 @@ def transition_events(old: Mapping[str, Any], new: Mapping[str, Any]) -> list[tu
     was = {c["type"]: c for c in old.get("conditions") or []}.get("VersionSkew") or {}
     if skew and skew["status"] == "True" and (was.get("status"), was.get("reason")) != ("True", skew["reason"]):
         events.append(("Warning", skew["reason"], skew["message"]))
+    events += _resize_events(old, new)
     reason, message = new.get("reason") or new["phase"], new.get("message") or ""
     if (new.get("restarts") or 0) > (old.get("restarts") or 0):
         events.append(("Warning", reason, message))
@@ -329,4 +366,20 @@ def transition_events(old: Mapping[str, Any], new: Mapping[str, Any]) -> list[tu
         events.append(("Warning", reason, message))
     elif phase in ("Running", "Succeeded", "Suspended"):
         events.append(("Normal", reason, message))
+    return events
+
+
+def _resize_events(old: Mapping[str, Any], new: Mapping[str, Any]) -> list[tuple[str, str, str]]:
+    """ResizeRequested when a new size is asked for, Resized (with its cost) when it runs."""
+    events = []
+    asked, before = new.get("resizing") or {}, old.get("resizing") or {}
+    if asked and (asked.get("to"), asked.get("requestedAt")) != (before.get("to"), before.get("requestedAt")):
+        then = ("the gang had not started: its pods are replaced at the new size" if asked.get("stoppedAt") else
+                "the workers stop at their next step boundary (checkpoint saved) and the gang restarts at the new size")
+        events.append(("Normal", "ResizeRequested", f"cluster.numNodes {asked['from']} -> {asked['to']}: {then}"))
+    done = new.get("lastResize")
+    if done and done != old.get("lastResize"):
+        events.append(("Normal", "Resized", (
+            f"resized from {done['from']} to {done['to']} nodes (attempt {done.get('attempt')}): "
+            f"{done.get('costSeconds', 0):g}s from the stop to every node running")))
     return events

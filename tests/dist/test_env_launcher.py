@@ -7,8 +7,10 @@ import sys
 import pytest
 import yaml
 
+from distflow.checkpoint import complete_checkpoints
 from distflow.launcher import EXIT_INVALID_CONFIG, free_port
 from distflow.metrics import read_jsonl
+from distflow.resize import EXIT_RESIZE, RESIZE_KEY
 
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(300)]
 
@@ -50,3 +52,23 @@ def test_env_disagreeing_with_spec_exits_invalid_config(tmp_path):
     out = proc.communicate(timeout=60)[0]
     assert proc.returncode == EXIT_INVALID_CONFIG
     assert "PET_NNODES=3" in out and "numNodes=2" in out
+
+
+def test_a_resize_request_seen_by_one_node_stops_every_node_at_the_same_step_with_a_checkpoint(tmp_path):
+    seen, unseen = tmp_path / "node0", tmp_path / "node1"
+    for directory in (seen, unseen):  # each pod mounts its own copy of the ConfigMap
+        directory.mkdir()
+    ckpt = tmp_path / "ckpt"
+    spec = yaml.safe_load(_config(tmp_path).read_text())
+    spec["spec"]["trainer"]["totalSteps"] = 4
+    spec["spec"]["checkpoint"] = {"dir": str(ckpt), "saveEverySteps": 0}  # no interval: the resize saves
+    for directory in (seen, unseen):
+        (directory / "job.yaml").write_text(yaml.safe_dump(spec))
+    (seen / RESIZE_KEY).write_text('{"numNodes": 3}')
+    port = free_port()
+    procs = [_node(directory / "job.yaml", r, port) for r, directory in enumerate((seen, unseen))]
+    outs = [p.communicate(timeout=280)[0] for p in procs]
+    assert [p.returncode for p in procs] == [EXIT_RESIZE, EXIT_RESIZE], outs[0][-3000:] + outs[1][-3000:]
+    assert "stopping after step 1 for a resize to 3 nodes (checkpoint saved)" in outs[0]
+    assert [r["training/step"] for r in read_jsonl(tmp_path / "logs" / "metrics.jsonl")] == [1]
+    assert [p.name for p in complete_checkpoints(ckpt)] == ["step_00000001"]

@@ -147,7 +147,20 @@ def test_fields_the_pods_compute_from_are_immutable_and_run_policy_is_not(spec_p
         rules = spec_props[name]["x-kubernetes-validations"]
         assert rules[0]["rule"] == "self == oldSelf" and f"spec.{name}" in rules[0]["message"]
     assert "x-kubernetes-validations" not in spec_props["runPolicy"]
-    assert set(crdgen.IMMUTABLE) >= {"model", "cluster", "workflow", "algorithm"}
+    assert set(crdgen.IMMUTABLE) >= {"model", "workflow", "algorithm"}
+
+
+def test_cluster_is_immutable_but_for_num_nodes_a_resize(spec_props):
+    cluster = spec_props["cluster"]
+    rule = cluster["x-kubernetes-validations"][0]["rule"]
+    assert "numNodes" not in rule and "spec.cluster.numNodes (a resize)" in \
+        cluster["x-kubernetes-validations"][0]["message"]
+    for field in cluster["properties"]:
+        if field != "numNodes":
+            assert f"self.{field} == oldSelf.{field}" in rule, field
+    # A field without a default may be set or unset: both sides must agree on which.
+    assert "(has(self.minNodes) ? has(oldSelf.minNodes) && self.minNodes == oldSelf.minNodes " \
+           ": !has(oldSelf.minNodes))" in rule
 
 
 def test_env_rule_lists_every_variable_the_operator_sets(spec_props):

@@ -9,7 +9,8 @@
                                                                 this image does not know: a warning)
 
 Exit codes: 0 done, 1 training failed, 2 invalid config (nothing started) or a user function
-that raised (retrying cannot help: the operator fails the job at once).
+that raised (retrying cannot help: the operator fails the job at once), 3 stopped at a step
+boundary for a resize the operator asked for (checkpoint saved; ``distflow node`` only).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from pathlib import Path
 
 from distflow.errors import DistflowConfigError, LaunchError, UserFunctionError
 from distflow.launcher import EXIT_FAILED, EXIT_INVALID_CONFIG, EXIT_OK
+from distflow.resize import EXIT_RESIZE, StoppedForResize
 from distflow.spec import JobSpec, load_job_spec, load_rendered_spec
 
 
@@ -107,7 +109,7 @@ def cmd_node(args) -> int:
     spec, warnings = load_rendered_spec(args.config)
     for warning in warnings:
         print(f"distflow: warning: {warning}", file=sys.stderr)
-    launch_node(spec, job_name_for(args.config))
+    launch_node(spec, job_name_for(args.config), spec_dir=Path(args.config).parent)
     return EXIT_OK
 
 
@@ -155,6 +157,10 @@ def main(argv: list[str] | None = None) -> int:
         if in_pod:
             _termination_message(f"UserFunctionError: {err}")
         return EXIT_INVALID_CONFIG
+    except StoppedForResize as err:
+        print(f"distflow: {err}", file=sys.stderr)
+        _termination_message(f"StoppedForResize: {err}")
+        return EXIT_RESIZE
     except LaunchError as err:  # the message says what failed where; the driver's traceback adds nothing
         print(f"distflow: {err}", file=sys.stderr)
         if in_pod:

@@ -7,12 +7,18 @@ Its own module so that ``distflow.worker`` (``DagWorker``) and ``distflow.pools.
 from __future__ import annotations
 
 from distflow.pools.worker import PoolWorker
+from distflow.resize import EXIT_RESIZE
 from distflow.spec import JobSpec
 from distflow.worker import DagWorker, WorkerEnv, configure_malloc
 
 
 def run_worker(spec: JobSpec, env: WorkerEnv, progress=None) -> list[dict[str, float]]:
-    """Entry point of one worker process."""
+    """Entry point of one worker process.
+
+    Raises:
+        SystemExit: with ``EXIT_RESIZE`` once the workers stopped for a resize (every rank, after its
+            clean close: the checkpoint is complete); the launcher turns it into ``StoppedForResize``.
+    """
     configure_malloc()
     worker = (PoolWorker if spec.async_.enable else DagWorker)(spec, env)
     try:
@@ -21,5 +27,7 @@ def run_worker(spec: JobSpec, env: WorkerEnv, progress=None) -> list[dict[str, f
         worker.close(clean=False)
         raise
     worker.close()
+    if worker.stopped_for_resize:
+        raise SystemExit(EXIT_RESIZE)
     return history
 

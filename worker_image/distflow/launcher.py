@@ -21,6 +21,7 @@ from distflow.checkpoint_origin import check_resume
 from distflow.errors import DistflowConfigError, UserFunctionError
 from distflow.preflight import preflight
 from distflow.progress import StepLinePrinter, progress_printer
+from distflow.resize import EXIT_RESIZE, RESIZE_KEY, StoppedForResize
 from distflow.spec import JobSpec
 
 EXIT_OK = 0
@@ -71,12 +72,18 @@ def spawn_workers(main, args: tuple, num_workers: int) -> None:
     Raises:
         UserFunctionError: a worker's user function raised: its message, which names the function,
             the sample and the step, without the spawn machinery's traceback.
+        StoppedForResize: the workers stopped at a step boundary for a resize (``EXIT_RESIZE``).
         torch.multiprocessing.ProcessRaisedException: any other worker failure (the others are stopped).
     """
     import torch.multiprocessing as mp
 
     try:
         mp.spawn(main, args=args, nprocs=num_workers, join=True)
+    except mp.ProcessExitedException as err:
+        if err.exit_code != EXIT_RESIZE:
+            raise
+        raise StoppedForResize(f"worker {err.error_index} stopped at a step boundary for a resize "
+                               "(checkpoint saved)") from None
     except mp.ProcessRaisedException as err:
         marker = f"{UserFunctionError.__module__}.{UserFunctionError.__qualname__}: "
         text = str(err)
@@ -241,14 +248,18 @@ def node_env_from_environ(environ=os.environ) -> dict[str, int | str]:
     return out
 
 
-def launch_node(spec: JobSpec, job_name: str, environ=os.environ) -> None:
+def launch_node(spec: JobSpec, job_name: str, environ=os.environ, spec_dir: str | Path | None = None) -> None:
     """Start this node's workers from the pod's environment (blocks).
+
+    ``spec_dir``: the mounted ConfigMap's directory; its key ``resize`` is the operator's resize
+    request (``distflow.resize``), polled at every step boundary. None: no request is polled.
 
     Raises:
         DistflowConfigError: env and spec disagree (numNodes, procsPerNode), the pod
             has fewer GPUs than workers, the model cannot be resolved, or the checkpoint to
             resume was made from another model or workflow.
         UserFunctionError: a user's function raised in one of this node's workers.
+        StoppedForResize: the workers stopped for a resize (checkpoint saved).
     """
     import torch
 
@@ -271,7 +282,8 @@ def launch_node(spec: JobSpec, job_name: str, environ=os.environ) -> None:
     base = WorkerEnv(rank=node_rank * nproc, world_size=nnodes * nproc, local_rank=0,
                      local_world_size=nproc, node_rank=node_rank, num_nodes=nnodes,
                      master_addr=str(env["MASTER_ADDR"]), master_port=int(env["MASTER_PORT"]),
-                     job_name=job_name, model_dir=model_dir, device_index=0, metrics_port=0)
+                     job_name=job_name, model_dir=model_dir, device_index=0, metrics_port=0,
+                     resize_file=str(Path(spec_dir) / RESIZE_KEY) if spec_dir is not None else "")
     spawn_workers(_node_worker_main, (spec, base, nproc, port), nproc)
 
 

@@ -19,6 +19,11 @@ from pathlib import Path
 EXIT_RESIZE = 3
 """Exit code of a worker that stopped at a step boundary for a resize (checkpoint saved)."""
 
+class StoppedForResize(Exception):
+    """This node's workers stopped at a step boundary for a resize, checkpoint saved: the node
+    exits with ``EXIT_RESIZE``."""
+
+
 RESIZE_KEY = "resize"
 """Key of the job's ConfigMap (and file name in the mounted spec directory)."""
 
@@ -46,10 +51,13 @@ class ResizeWatch:
             identity for a single process.
     """
 
-    def __init__(self, path: Path, num_nodes: int, agree: Callable[[int], int] = lambda flag: flag):
+    def __init__(self, path: Path | str, num_nodes: int, agree: Callable[[int], int] = lambda flag: flag):
         self.path, self.num_nodes, self.agree = Path(path), num_nodes, agree
+        self.requested: int | None = None
+        """The size this rank last read (None: no request, or one this rank has not seen yet)."""
 
     def should_stop(self) -> bool:
-        """True on every rank once any rank has seen a request for another size."""
-        wanted = requested_nodes(self.path)
-        return bool(self.agree(int(wanted is not None and wanted != self.num_nodes)))
+        """True on every rank once any rank has seen a request for another size (collective: every
+        rank calls it at the same step boundary)."""
+        self.requested = requested_nodes(self.path)
+        return bool(self.agree(int(self.requested is not None and self.requested != self.num_nodes)))

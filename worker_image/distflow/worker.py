@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from distflow import chaos, checkpoint, process_group, sample_ids
+from distflow.resize import ResizeWatch
 from distflow.checkpoint_origin import made_from
 from distflow.coordinator import DataCoordinator
 from distflow.data.buffer import NodeBuffer
@@ -72,6 +73,9 @@ class WorkerEnv:
     resume: bool = True
     metrics_port: int = 0
     """Prometheus port this node serves (0: none)."""
+    resize_file: str = ""
+    """The operator's resize request, mounted from the job's ConfigMap (``distflow.resize``);
+    empty: none (a local run), and no step polls for one."""
 
 
 log = logging.getLogger(__name__)
@@ -124,6 +128,13 @@ def configure_malloc(environ=os.environ) -> int:
     return threshold if ok == 1 else 0
 
 
+def _max_over_ranks(flag: int) -> int:
+    """The largest of every rank's ``flag`` (one int all-reduced over the world, on the CPU backend)."""
+    value = torch.tensor([flag], dtype=torch.int64)
+    dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    return int(value.item())
+
+
 def _seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed % 2**32)
@@ -137,6 +148,10 @@ class DagWorker:
     """The process group of the training ranks (None: the world)."""
     replica = None
     """A rollout pool worker's own policy copy (``distflow.pools``); None here."""
+    resize_watch: ResizeWatch | None = None
+    """Polled at every step boundary when the operator can ask for a resize (a pod); None locally."""
+    stopped_for_resize = False
+    """``train`` stopped at a step boundary because the operator asked for another size."""
 
     def __init__(self, spec: JobSpec, env: WorkerEnv):
         self.spec, self.env = spec, env
@@ -171,6 +186,8 @@ class DagWorker:
         self._received_before = 0
         self.is_logger = env.rank == 0
         self.writer = JsonlWriter(spec.trainer.log_dir) if self.is_logger else None
+        self.resize_watch = ResizeWatch(env.resize_file, env.num_nodes, _max_over_ranks) \
+            if env.resize_file else None
 
     def _build_models(self) -> None:
         spec, env = self.spec, self.env
@@ -466,14 +483,36 @@ class DagWorker:
             history.append(out)
             if progress:
                 progress(self.step, out)
-            save_every = spec.checkpoint.save_every_steps
-            if spec.checkpoint.dir and (self.step == spec.trainer.total_steps or
-                                        (save_every and self.step % save_every == 0)):
-                checkpoint.save(spec.checkpoint.dir, self.step, self, spec.checkpoint.keep_last)
-                if self.exporter is not None:
-                    self.exporter.observe_checkpoint(self.step)
+            if self._step_boundary():
+                break
         chaos.write_tally()
         return history
+
+    def _step_boundary(self) -> bool:
+        """Collective, after step ``self.step``: the checkpoint every ``checkpoint.saveEverySteps`` (and
+        at the last step), and the resize poll. True when the gang stops here for a resize: then the
+        checkpoint of this step is complete on every rank (``checkpoint.save`` agrees before returning)."""
+        spec = self.spec
+        last = self.step == spec.trainer.total_steps
+        save_every = spec.checkpoint.save_every_steps
+        saved = bool(spec.checkpoint.dir) and (last or bool(save_every and self.step % save_every == 0))
+        if saved:
+            self._save_checkpoint()
+        if last or self.resize_watch is None or not self.resize_watch.should_stop():
+            return False
+        if spec.checkpoint.dir and not saved:
+            self._save_checkpoint()
+        if self.is_logger:
+            size = self.resize_watch.requested or "another number of"
+            saved_note = " (checkpoint saved)" if spec.checkpoint.dir else "; no checkpoint.dir: the new size starts over"
+            print(f"distflow: stopping after step {self.step} for a resize to {size} nodes{saved_note}", flush=True)
+        self.stopped_for_resize = True
+        return True
+
+    def _save_checkpoint(self) -> None:
+        checkpoint.save(self.spec.checkpoint.dir, self.step, self, self.spec.checkpoint.keep_last)
+        if self.exporter is not None:
+            self.exporter.observe_checkpoint(self.step)
 
     def _log_trained_ids(self) -> None:
         """Append this step's trained record ids to ``trained_ids.jsonl`` (see ``distflow.sample_ids``)."""
