@@ -252,17 +252,10 @@ def spec_schema() -> dict[str, Any]:
 
 
 def _all_but_unchanged(section: dict[str, Any], mutable: str) -> str:
-    """CEL: every field of ``section`` but ``mutable`` equals its old value (set or unset alike)."""
-    terms = []
-    for field in sorted(section["properties"]):
-        if field == mutable:
-            continue
-        if "default" in section["properties"][field]:
-            terms.append(f"self.{field} == oldSelf.{field}")
-        else:
-            terms.append(f"(has(self.{field}) ? has(oldSelf.{field}) && self.{field} == oldSelf.{field} "
-                         f": !has(oldSelf.{field}))")
-    return " && ".join(terms)
+    """CEL: every field of ``section`` but ``mutable`` equals its old value, set or unset alike (the API
+    server also checks the rule against the section's ``default: {}``, where no field is set)."""
+    return " && ".join(f"(has(self.{f}) ? has(oldSelf.{f}) && self.{f} == oldSelf.{f} : !has(oldSelf.{f}))"
+                       for f in sorted(section["properties"]) if f != mutable)
 
 
 def status_schema() -> dict[str, Any]:

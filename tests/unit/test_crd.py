@@ -156,11 +156,9 @@ def test_cluster_is_immutable_but_for_num_nodes_a_resize(spec_props):
     assert "numNodes" not in rule and "spec.cluster.numNodes (a resize)" in \
         cluster["x-kubernetes-validations"][0]["message"]
     for field in cluster["properties"]:
-        if field != "numNodes":
-            assert f"self.{field} == oldSelf.{field}" in rule, field
-    # A field without a default may be set or unset: both sides must agree on which.
-    assert "(has(self.minNodes) ? has(oldSelf.minNodes) && self.minNodes == oldSelf.minNodes " \
-           ": !has(oldSelf.minNodes))" in rule
+        if field != "numNodes":  # set or unset, both sides agree on which, and on the value
+            assert f"(has(self.{field}) ? has(oldSelf.{field}) && self.{field} == oldSelf.{field} " \
+                   f": !has(oldSelf.{field}))" in rule, field
 
 
 def test_env_rule_lists_every_variable_the_operator_sets(spec_props):
