@@ -8,7 +8,9 @@ for the pods of one namespace that the scheduler has bound to a node:
   ``python -m distflow.cli`` (the image's entry point).
 - **env**: the pod's own env, ``valueFrom.fieldRef`` resolved, over the image's
   environment minus any Kubernetes credentials (the pods run without a token).
-- **volumes**: a ConfigMap volume is written to a directory per pod, an
+- **volumes**: a ConfigMap volume is written to a directory per pod and kept
+  up to date while the pod runs (each key replaced by a rename, a removed key
+  deleted), as the kubelet syncs it (here every pass, not every minute); an
   emptyDir is a fresh directory (one at /dev/shm is this host's /dev/shm);
   ``terminationMessagePath`` is a file per pod. Env values and command args
   under a mount path are rewritten to the local path.
@@ -56,6 +58,19 @@ MAX_GRACE_S = 5.0
 """Cap on terminationGracePeriodSeconds: tests should not wait 30 s for a SIGTERM."""
 
 
+def _write_config_map(directory: Path, data: dict[str, str]) -> None:
+    """The volume's files: one per key, each replaced whole (a reader never sees half a file)."""
+    for key, text in data.items():
+        path = directory / key
+        if not path.is_file() or path.read_text() != text:
+            tmp = directory / f".{key}.tmp"
+            tmp.write_text(text)
+            tmp.rename(path)
+    for path in directory.iterdir():
+        if not path.name.startswith(".") and path.name not in data:
+            path.unlink()
+
+
 def _image_env() -> dict[str, str]:
     """This process's environment as the image's: no cluster credentials, and an absolute
     PYTHONPATH that finds distflow (containers start in their own working directory)."""
@@ -97,6 +112,8 @@ class _Running:
     started_at: str
     forwarders: list[_Forwarder] = field(default_factory=list)
     ready: bool = False
+    config_maps: dict[str, Path] = field(default_factory=dict)
+    """ConfigMap name -> the local directory its volume is written to."""
 
 
 class _Forwarder:
@@ -253,6 +270,7 @@ class LocalKubelet:
                         and not pod["metadata"].get("deletionTimestamp")
                         and pod.get("status", {}).get("phase", "Pending") == "Pending"):
                     self._start(pod, pods.values())
+            self._refresh_config_maps()
             self._flush()
 
     # -- starting a container ----------------------------------------------------------------
@@ -268,10 +286,12 @@ class LocalKubelet:
         self._next_ip = self._next_ip + 1 if self._next_ip < 254 else 2
         return ip
 
-    def _volumes(self, pod: dict[str, Any], pod_dir: Path) -> dict[str, str]:
-        """Materialise the pod's volumes; returns {mountPath: local path} for its container."""
+    def _volumes(self, pod: dict[str, Any], pod_dir: Path) -> tuple[dict[str, str], dict[str, Path]]:
+        """Materialise the pod's volumes; returns ({mountPath: local path} for its container,
+        {ConfigMap name: local directory})."""
         volumes = {v["name"]: v for v in pod["spec"].get("volumes") or []}
         mounts: dict[str, str] = {}
+        config_maps: dict[str, Path] = {}
         for mount in pod["spec"]["containers"][0].get("volumeMounts") or []:
             volume, path = volumes[mount["name"]], mount["mountPath"]
             if "emptyDir" in volume and path == HOST_SHM:
@@ -281,13 +301,24 @@ class LocalKubelet:
             if "configMap" in volume:
                 name = volume["configMap"]["name"]
                 _, cm = self.cp.request("GET", f"/api/v1/namespaces/{self.ns}/configmaps/{name}", expect=(200,))
-                for key, text in (cm.get("data") or {}).items():
-                    (local / key).write_text(text)
+                _write_config_map(local, cm.get("data") or {})
+                config_maps[name] = local
             elif "emptyDir" not in volume:
                 raise ValueError(f"pod {pod['metadata']['name']}: volume {mount['name']} kind not supported "
                                  f"by the local kubelet (configMap, emptyDir only)")
             mounts[path.rstrip("/")] = str(local)
-        return mounts
+        return mounts, config_maps
+
+    def _refresh_config_maps(self) -> None:
+        """Bring the ConfigMap volumes of running pods up to date (one LIST per pass)."""
+        if not any(run.config_maps for run in self._running.values()):
+            return
+        _, body = self.cp.request("GET", f"/api/v1/namespaces/{self.ns}/configmaps", expect=(200,))
+        data = {cm["metadata"]["name"]: cm.get("data") or {} for cm in body["items"]}
+        for run in self._running.values():
+            for name, local in run.config_maps.items():
+                if name in data:
+                    _write_config_map(local, data[name])
 
     @staticmethod
     def _rewrite_path(value: str, mounts: dict[str, str]) -> str:
@@ -356,7 +387,8 @@ class LocalKubelet:
         termination_path = container.get("terminationMessagePath") or DEFAULT_TERMINATION_PATH
         termination_file = pod_dir / "termination-log"
         termination_file.write_text("")
-        mounts = {**self._volumes(pod, pod_dir), termination_path: str(termination_file)}
+        volumes, config_maps = self._volumes(pod, pod_dir)
+        mounts = {**volumes, termination_path: str(termination_file)}
         pod_ip = self._pod_ip()
         argv = list(container.get("command") or []) + list(container.get("args") or [])
         argv = ENTRYPOINTS.get(argv[0], argv[:1]) + [self._rewrite_path(a, mounts) for a in argv[1:]]
@@ -380,7 +412,8 @@ class LocalKubelet:
                                     stdin=subprocess.DEVNULL, start_new_session=True)
         run = _Running(meta["name"], uid, meta.get("labels", {}).get("distflow.io/attempt", ""), proc, pod_ip,
                        probe_url, container, log, termination_file,
-                       container.get("terminationMessagePolicy") == "FallbackToLogsOnError", _now(), forwarders)
+                       container.get("terminationMessagePolicy") == "FallbackToLogsOnError", _now(), forwarders,
+                       config_maps=config_maps)
         self._running[uid] = run
         self._patch_status(run, {"phase": "Running", "hostIP": "127.0.0.1", "podIP": pod_ip,
                                  "podIPs": [{"ip": pod_ip}], "startTime": run.started_at,

@@ -60,6 +60,9 @@ class FakeApi:
     def force_delete_pod(self, namespace, name, uid):
         self.calls.append(("force-delete", name))
 
+    def set_config_map_key(self, namespace, name, key, value):
+        self.calls.append(("config-map", name, key, value))
+
     def delete_job(self, namespace, name, uid):
         self.calls.append(("delete-job", name))
 
@@ -102,6 +105,33 @@ def test_a_steady_job_costs_no_api_calls():
     calls = len(api.calls)
     asyncio.run(reconciler.reconcile(KEY))
     assert len(api.calls) == calls
+
+
+def test_a_resize_request_is_written_once_and_its_exit_3_starts_the_new_size():
+    reconciler, api, doc, pods, _ = setup()
+
+    async def scenario():
+        for _ in range(2):
+            await reconciler.reconcile(KEY)
+        doc["spec"]["cluster"]["numNodes"] = 1
+        api.calls.clear()
+        for _ in range(3):  # the request is written on the first pass only
+            await reconciler.reconcile(KEY)
+        requested = list(api.calls)
+        api.calls.clear()
+        fail(pods, 0, exit_code=3)
+        for _ in range(3):  # the new attempt at 1 node; then steady
+            await reconciler.reconcile(KEY)
+        return requested
+    requested = asyncio.run(scenario())
+    assert requested == [("status", None, None), ("event", "ResizeRequested"),
+                         ("config-map", "grpo-tiny-config", "resize", '{"numNodes": 1}')]
+    assert api.calls[:3] == [("status", "Restarting", 2), ("delete", "grpo-tiny-node-0"),
+                             ("delete", "grpo-tiny-node-1")], api.calls
+    assert [c for c in api.calls if c[0] == "create"] == [("create", "grpo-tiny-node-0", "2")]
+    # The request goes with the attempt (and the new attempt's ConfigMap is rendered whole, without it).
+    assert [c for c in api.calls if c[0] == "config-map"] == [("config-map", "grpo-tiny-config", "resize", None)]
+    assert (doc["status"]["restarts"], doc["status"]["attemptNodes"], doc["status"]["lastResize"]["to"]) == (0, 1, 1)
 
 
 def test_gang_restart_writes_the_attempt_then_replaces_every_pod():

@@ -1,0 +1,131 @@
+"""e2e: `kubectl scale rljob` 2 -> 3 -> 2 on a job whose pods run the real runtime (``LocalKubelet``).
+
+At each resize the operator writes the request into the job's ConfigMap, the kubelet
+syncs it into the pods' volume, the workers save a checkpoint at their next step
+boundary and exit 3, and the operator starts the next attempt at the new size, which
+resumes that checkpoint at the new world size. Asserted: every step trained once, the
+same sample ids as a local run that changed size at the same steps by hand (so none
+lost, none repeated), and that run's final parameters and optimizer state bit for bit.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from pathlib import Path
+
+import pytest
+import yaml
+
+from distflow import sample_ids
+from distflow.spec import parse_spec
+from tests.dist._jobs import bit_identical, final_checkpoint
+from tests.e2e.kubelet import LocalKubelet
+from tests.e2e.test_e2e_job import (  # noqa: F401  (fixtures)
+    JOB_TIMEOUT_S, JOB_YAML, _steps, _wait_finished, cluster, namespace,
+)
+from tests.operator._helpers import Api, dump, operator_kubeconfig, operator_running, wait_for
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1500)]
+
+TOTAL_STEPS = 10
+STOPPED = re.compile(r"distflow: stopping after step (\d+) for a resize to (\d+) nodes \(checkpoint saved\)")
+
+
+def _manifest(name: str, tmp_path: Path) -> dict:
+    """The e2e job with a batch that 2 and 3 nodes both divide, resizable up to 3 nodes."""
+    doc = yaml.safe_load(JOB_YAML.format(name=name, model="tiny", total_steps=TOTAL_STEPS, log_dir=tmp_path / "logs",
+                                         checkpoint_dir=tmp_path / "checkpoints"))
+    doc["spec"]["data"]["trainBatchSize"] = 6
+    doc["spec"]["cluster"]["maxNodes"] = 3
+    doc["spec"]["checkpoint"]["saveEverySteps"] = 0  # only the resizes (and the last step) save
+    return doc
+
+
+def _scale(cluster, namespace: str, name: str, replicas: int) -> None:
+    out = cluster.kubectl("scale", "-n", namespace, "rljob", name, f"--replicas={replicas}")
+    assert out.returncode == 0, out.stderr
+
+
+def _trained_past(log_dir: Path, step: int):
+    return lambda: (log_dir / "metrics.jsonl").is_file() and max(_steps(log_dir), default=0) > step
+
+
+def _by_hand(spec_doc: dict, tmp_path: Path, stops: list[tuple[int, int]]) -> Path:
+    """The same job run locally, each size until its stop step (killed in the next step, as a lost
+    node would be), then resumed at the next size; returns its log directory."""
+    from distflow.launcher import launch_local
+
+    sizes = [spec_doc["cluster"]["numNodes"]] + [nodes for _, nodes in stops]
+    ends = [step for step, _ in stops] + [None]
+    for nodes, end in zip(sizes, ends, strict=True):
+        doc = {**spec_doc, "cluster": {**spec_doc["cluster"], "numNodes": nodes},
+               "trainer": {**spec_doc["trainer"], "logDir": str(tmp_path / "logs")},
+               "checkpoint": {"dir": str(tmp_path / "checkpoints"), "saveEverySteps": 1, "keepLast": 2}}
+        for section in ("template", "runPolicy"):  # the pods' and the operator's, not the run's
+            doc.pop(section, None)
+        spec = parse_spec(doc)
+        if end is None:
+            launch_local(spec, "by-hand", progress=False)
+            continue
+        os.environ["DISTFLOW_INJECT_FAILURE_AT_STEP"] = str(end + 1)
+        try:
+            with pytest.raises(Exception, match="injected failure"):
+                launch_local(spec, "by-hand", progress=False)
+        finally:
+            del os.environ["DISTFLOW_INJECT_FAILURE_AT_STEP"]
+    return tmp_path / "logs"
+
+
+def test_scale_2_3_2_mid_run_loses_and_repeats_nothing_and_ends_as_a_run_resized_by_hand(cluster, namespace,
+                                                                                          tmp_path):
+    name = "e2e-resize"
+    api = Api(cluster, namespace)
+    doc = _manifest(name, tmp_path)
+    logs = tmp_path / "logs"
+    kubeconfig = operator_kubeconfig(cluster, namespace, tmp_path)
+    with (operator_running(kubeconfig, namespace, PROGRESS_INTERVAL="0.3"),
+          LocalKubelet(cluster, namespace, tmp_path / "kubelet") as kubelet):
+        # JSON: kubectl's YAML 1.1 parser would read rollout's bare key n as false.
+        out = cluster.kubectl("apply", "-n", namespace, "-f", "-", input=json.dumps(doc, default=str))
+        assert out.returncode == 0, out.stderr
+        wait_for(_trained_past(logs, 0), JOB_TIMEOUT_S, what=lambda: f"step 1 at 2 nodes ({kubelet.log_tails()})")
+        _scale(cluster, namespace, name, 3)
+        wait_for(lambda: (api.status(name).get("lastResize") or {}).get("to") == 3, JOB_TIMEOUT_S,
+                 what=lambda: f"resized to 3 ({dump(api.status(name))}\n{kubelet.log_tails()})")
+        first = [int(m[1]) for m in STOPPED.finditer(kubelet.log_tails(5000))]
+        assert len(first) == 1, kubelet.log_tails()
+        wait_for(_trained_past(logs, first[0]), JOB_TIMEOUT_S, what="a step at 3 nodes")
+        _scale(cluster, namespace, name, 2)
+        status = _wait_finished(api, name, kubelet, timeout_s=2 * JOB_TIMEOUT_S)
+        node_logs = kubelet.log_tails(5000)
+
+    stops = [(int(m[1]), int(m[2])) for m in STOPPED.finditer(node_logs)]
+    assert [nodes for _, nodes in stops] == [3, 2] and 1 <= stops[0][0] < stops[1][0] < TOTAL_STEPS, node_logs
+    assert (status["attempt"], status["restarts"], status["disruptions"]) == (3, 0, 0), dump(status)
+    assert (status["lastResize"]["from"], status["lastResize"]["to"]) == (3, 2) and \
+        status["lastResize"]["costSeconds"] >= 0, dump(status)
+    exits = sorted((e.attempt, e.pod, e.exit_code) for e in kubelet.exits)
+    for attempt, nodes in (("1", 2), ("2", 3)):
+        # The first node to exit 3 ends the attempt; the operator deletes the others (SIGTERM) if
+        # they have not exited 3 yet: the checkpoint was complete before any of them exited.
+        codes = [code for a, _, code in exits if a == attempt]
+        assert len(codes) == nodes and 3 in codes and set(codes) <= {3, 143, 137}, exits
+    assert [e for e in exits if e[0] == "3"] == [("3", f"{name}-node-0", 0), ("3", f"{name}-node-1", 0)], exits
+    events = api.events(name)
+    resized = [e["message"] for e in events if e["reason"] == "Resized"]
+    assert len(resized) == 2 and not [e for e in events if e["reason"] == "NodeFailed"], dump(events)
+
+    # Every step trained once (each resize's checkpoint is of the step it stopped after) ...
+    assert _steps(logs) == list(range(1, TOTAL_STEPS + 1)), _steps(logs)
+    ids = sample_ids.read(logs)
+    # ... on prompts never trained before (10 steps x 6 prompts fit in one epoch of 64) ...
+    prompts = [set(step_ids) for _, step_ids in sorted(ids.items())]
+    assert sum(map(len, prompts)) == len(set().union(*prompts)) == TOTAL_STEPS * 6
+    # ... and exactly as a local run that changed size after the same steps by hand.
+    reference = _by_hand(doc["spec"], tmp_path / "by-hand", stops)
+    assert sample_ids.read(reference) == ids
+    resized, by_hand = (final_checkpoint(path / "checkpoints") for path in (tmp_path, tmp_path / "by-hand"))
+    assert bit_identical(resized, by_hand), \
+        "the resized job's final parameters/optimizer state differ from the run resized by hand"
