@@ -147,14 +147,10 @@ class Resize:
     """When every node pod of the new attempt was running."""
     attempt: int | None = None
     """The attempt that runs at ``to_nodes``, once started."""
-
-    @property
-    def cost_seconds(self) -> float | None:
-        """Seconds from the stop to the new attempt's pods all running (model loading and the first
-        step after come on top); None until resumed."""
-        if self.stopped_at is None or self.resumed_at is None:
-            return None
-        return (self.resumed_at - self.stopped_at).total_seconds()
+    cost_seconds: float | None = None
+    """Seconds from the stop to the new attempt's pods all running, in milliseconds' precision
+    (model loading and the first step after come on top); None until resumed. Recorded once, when
+    resumed, and kept: recomputed from the status' whole-second times it would change."""
 
 
 @dataclass(frozen=True)
@@ -269,7 +265,7 @@ def _parse_resize(raw: Mapping[str, Any] | None) -> Resize | None:
     if not raw:
         return None
     return Resize(raw["from"], raw["to"], parse_time(raw["requestedAt"]), parse_time(raw.get("stoppedAt")),
-                  parse_time(raw.get("resumedAt")), raw.get("attempt"))
+                  parse_time(raw.get("resumedAt")), raw.get("attempt"), raw.get("costSeconds"))
 
 
 def restart_backoff(backoff_seconds: float, restarts: int) -> float:
@@ -488,7 +484,8 @@ def _settle(job: JobView, state: RunState, current: Sequence[PodView], now: date
         return state
     if sum(p.phase == "Running" and not p.deleting for p in current) < resize.to_nodes:
         return state
-    return replace(state, resizing=None, last_resize=replace(resize, resumed_at=now))
+    cost = round((now - resize.stopped_at).total_seconds(), 3)
+    return replace(state, resizing=None, last_resize=replace(resize, resumed_at=now, cost_seconds=cost))
 
 
 def _resize_stop(job: JobView, pods: Sequence[PodView], current: Sequence[PodView], state: RunState,

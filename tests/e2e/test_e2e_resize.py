@@ -101,7 +101,7 @@ def test_scale_2_3_2_mid_run_loses_and_repeats_nothing_and_ends_as_a_run_resized
         status = _wait_finished(api, name, kubelet, timeout_s=2 * JOB_TIMEOUT_S)
         node_logs = kubelet.log_tails(5000)
 
-    stops = [(int(m[1]), int(m[2])) for m in STOPPED.finditer(node_logs)]
+    stops = sorted((int(m[1]), int(m[2])) for m in STOPPED.finditer(node_logs))  # logs are not in time order
     assert [nodes for _, nodes in stops] == [3, 2] and 1 <= stops[0][0] < stops[1][0] < TOTAL_STEPS, node_logs
     assert (status["attempt"], status["restarts"], status["disruptions"]) == (3, 0, 0), dump(status)
     assert (status["lastResize"]["from"], status["lastResize"]["to"]) == (3, 2) and \

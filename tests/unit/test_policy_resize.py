@@ -79,6 +79,19 @@ def test_the_resize_is_done_when_every_pod_of_the_new_size_runs_and_its_cost_is_
                                  "resumedAt": format_time(NOW), "attempt": 2, "costSeconds": 30.0}
     events = {e[1]: e for e in transition_events(status, new)}
     assert "30s from the stop" in events["Resized"][2] and events["Resized"][0] == "Normal"
+    # Later passes keep the record as it is: no second Resized event.
+    later = NOW + timedelta(seconds=7.5)
+    pods = [pod(0, 2), pod(1, 2), pod(2, 2)]
+    steady = compute_status(job(3, new), pods, decide(job(3, new), pods, later), later)
+    assert steady["lastResize"] == new["lastResize"] and transition_events(new, steady) == []
+
+
+def test_the_cost_keeps_the_milliseconds_the_status_times_do_not_have():
+    resize = {**requested(), "stoppedAt": ago(30), "attempt": 2}
+    status = {**running(3, attempt=2), "phase": "Restarting", "resizing": resize}
+    pods = [pod(0, 2), pod(1, 2), pod(2, 2)]
+    decision = decide(job(3, status), pods, NOW + timedelta(seconds=1.2344))
+    assert decision.state.last_resize.cost_seconds == 31.234
 
 
 def test_a_gang_that_has_not_started_is_replaced_at_the_new_size_directly():
