@@ -17,6 +17,10 @@ With ``async.enable`` the status lists both pools (``pools``: trainer, then
 rollout, each with its desired and Ready node pods); the phase and restarts
 stay the gang's: a failure in either pool restarts every pod (policy.py).
 
+While a resize is asked for (``resizing``; policy.py), the gang still runs at
+its attempt's size (``attemptNodes``): phase and Ready count against that
+size, ``desiredNodes`` is already the spec's new one.
+
 VersionSkew is True when the operator ignores fields it does not know
 (a CRD newer than the operator) or cannot read a started job's spec at all.
 
