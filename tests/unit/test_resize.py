@@ -34,3 +34,23 @@ def test_stop_only_for_another_size_and_when_any_rank_saw_it(tmp_path):
     late = ResizeWatch(tmp_path / "absent", 2, agree=lambda f: flags.append(f) or max(f, 1))
     assert late.should_stop() is True and flags == [0]
     assert EXIT_RESIZE == 3
+
+
+def test_distflow_node_exits_3_with_a_termination_message_when_its_workers_stopped_for_a_resize(
+        tmp_path, monkeypatch):
+    from distflow import cli
+    from distflow.resize import StoppedForResize
+
+    config = tmp_path / "spec.yaml"
+    config.write_text("apiVersion: distflow.io/v1alpha1\nkind: RLPostTrainJob\nmetadata: {name: j}\n"
+                      "spec: {model: {path: tiny}, data: {train: {path: arithmetic}}}\n")
+    seen = []
+
+    def stopped(spec, name, spec_dir):
+        seen.append(spec_dir)
+        raise StoppedForResize("worker 0 stopped at a step boundary for a resize (checkpoint saved)")
+    monkeypatch.setattr("distflow.launcher.launch_node", stopped)
+    monkeypatch.setenv("DISTFLOW_TERMINATION_LOG", str(tmp_path / "termination-log"))
+    assert cli.main(["node", "--config", str(config)]) == EXIT_RESIZE
+    assert seen == [tmp_path]  # the request is read next to the spec: the ConfigMap's key resize
+    assert (tmp_path / "termination-log").read_text().startswith("StoppedForResize: worker 0 stopped")

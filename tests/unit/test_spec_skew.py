@@ -104,7 +104,7 @@ def test_a_worker_ignores_and_names_the_fields_a_newer_operator_renders(tmp_path
 
 def test_distflow_node_runs_a_spec_with_unknown_fields_and_warns(tmp_path, monkeypatch, capsys):
     launched = []
-    monkeypatch.setattr("distflow.launcher.launch_node", lambda spec, name: launched.append(spec))
+    monkeypatch.setattr("distflow.launcher.launch_node", lambda spec, name, spec_dir: launched.append(spec))
     assert cli.main(["node", "--config", str(_from_a_newer_operator(tmp_path))]) == 0
     assert launched == [parse_spec(MINIMAL)]
     assert "distflow: warning: ignoring fields this worker image does not know" in capsys.readouterr().err
