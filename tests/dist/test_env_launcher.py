@@ -54,7 +54,9 @@ def test_env_disagreeing_with_spec_exits_invalid_config(tmp_path):
     assert "PET_NNODES=3" in out and "numNodes=2" in out
 
 
-def test_a_resize_request_seen_by_one_node_stops_every_node_at_the_same_step_with_a_checkpoint(tmp_path):
+@pytest.mark.parametrize("pools", [None, {"enable": True, "maxStaleness": 1, "rolloutPool": {"numNodes": 1}}],
+                         ids=["sync", "pools"])
+def test_a_resize_request_seen_by_one_node_stops_every_node_at_the_same_step_with_a_checkpoint(tmp_path, pools):
     seen, unseen = tmp_path / "node0", tmp_path / "node1"
     for directory in (seen, unseen):  # each pod mounts its own copy of the ConfigMap
         directory.mkdir()
@@ -62,13 +64,18 @@ def test_a_resize_request_seen_by_one_node_stops_every_node_at_the_same_step_wit
     spec = yaml.safe_load(_config(tmp_path).read_text())
     spec["spec"]["trainer"]["totalSteps"] = 4
     spec["spec"]["checkpoint"] = {"dir": str(ckpt), "saveEverySteps": 0}  # no interval: the resize saves
+    if pools:  # node 0 trains, node 1 generates (the rollout pool, which sees the request here)
+        spec["spec"]["async"] = pools
+        seen, unseen = unseen, seen
     for directory in (seen, unseen):
         (directory / "job.yaml").write_text(yaml.safe_dump(spec))
     (seen / RESIZE_KEY).write_text('{"numNodes": 3}')
     port = free_port()
-    procs = [_node(directory / "job.yaml", r, port) for r, directory in enumerate((seen, unseen))]
+    procs = [_node(tmp_path / f"node{r}" / "job.yaml", r, port) for r in range(2)]
     outs = [p.communicate(timeout=280)[0] for p in procs]
     assert [p.returncode for p in procs] == [EXIT_RESIZE, EXIT_RESIZE], outs[0][-3000:] + outs[1][-3000:]
-    assert "stopping after step 1 for a resize to 3 nodes (checkpoint saved)" in outs[0]
+    # Rank 0 says so, whether or not its own copy had the request.
+    size = 3 if not pools else "another number of"
+    assert f"stopping after step 1 for a resize to {size} nodes (checkpoint saved)" in outs[0]
     assert [r["training/step"] for r in read_jsonl(tmp_path / "logs" / "metrics.jsonl")] == [1]
     assert [p.name for p in complete_checkpoints(ckpt)] == ["step_00000001"]
