@@ -7,6 +7,8 @@ Every loss has one signature::
 
 and returns the per-token loss matrix unreduced: the trainer reduces it
 with ``aggregate_loss`` so that micro-batches and dp ranks add up exactly.
+Only ``response_mask`` 1 tokens (the model's own) count, in the loss and in
+the metrics; a multi-turn response's tool tokens may hold any log-probs.
 Semantics follow verl's ``compute_policy_loss_vanilla`` / ``_gspo``.
 """
 
