@@ -83,7 +83,7 @@ def vanilla_policy_loss(
         old_log_probs: [B, T] log-probs of the behaviour policy (no grad).
         log_probs: [B, T] log-probs of the current policy (grad flows here).
         advantages: [B, T].
-        response_mask: [B, T] 1 on generated tokens.
+        response_mask: [B, T] 1 on the model's own tokens (0 on padding and tool tokens).
         params: clip ranges.
 
     Returns:
@@ -122,7 +122,7 @@ def gspo_policy_loss(
         old_log_probs: [B, T] log-probs of the behaviour policy (no grad).
         log_probs: [B, T] log-probs of the current policy (grad flows here).
         advantages: [B, T].
-        response_mask: [B, T] 1 on generated tokens.
+        response_mask: [B, T] 1 on the model's own tokens (0 on padding and tool tokens).
         params: clip ranges (clip_ratio_c unused).
 
     Returns:
