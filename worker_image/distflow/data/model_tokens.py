@@ -19,12 +19,16 @@ import torch
 from distflow.data.batch import PackedBatch
 
 
+def _sample_of_token(batch: PackedBatch, device: torch.device) -> torch.Tensor:
+    """[T_total] int64: the sample each packed token belongs to."""
+    return torch.repeat_interleave(torch.arange(batch.num_samples, device=device), batch.seq_lens.to(device))
+
+
 def model_token_counts(batch: PackedBatch) -> torch.Tensor:
     """[B] int64: the model's own tokens per sample (the sum of its ``response_mask``), on the fields' device."""
     mask = batch.token_fields["response_mask"]
-    sample_of = torch.repeat_interleave(torch.arange(batch.num_samples, device=mask.device),
-                                        batch.seq_lens.to(mask.device))
-    return torch.zeros(batch.num_samples, dtype=torch.long, device=mask.device).index_add_(0, sample_of, mask.long())
+    counts = torch.zeros(batch.num_samples, dtype=torch.long, device=mask.device)
+    return counts.index_add_(0, _sample_of_token(batch, mask.device), mask.long())
 
 
 def last_model_token(batch: PackedBatch) -> torch.Tensor:
@@ -35,10 +39,9 @@ def last_model_token(batch: PackedBatch) -> torch.Tensor:
     mask = batch.token_fields["response_mask"].bool()
     ends = batch.cu_seqlens(dtype=torch.long)[1:]
     positions = torch.arange(batch.num_tokens, device=mask.device)
-    sample_of = torch.repeat_interleave(torch.arange(batch.num_samples, device=mask.device),
-                                        batch.seq_lens.to(mask.device))
     last = torch.full((batch.num_samples,), -1, dtype=torch.long, device=mask.device)
-    last = last.scatter_reduce(0, sample_of, torch.where(mask, positions, -1), reduce="amax")
+    last = last.scatter_reduce(0, _sample_of_token(batch, mask.device), torch.where(mask, positions, -1),
+                               reduce="amax")
     return torch.where(last >= 0, last, ends - 1)
 
 
