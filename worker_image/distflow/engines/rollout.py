@@ -6,7 +6,8 @@ Each rollout dp rank generates the groups of the prompts it read itself; the
 fields span prompt + response:
 
 - ``input_ids``      [T_total] int64
-- ``response_mask``  [T_total] int8, 1 on generated tokens (EOS included)
+- ``response_mask``  [T_total] int8, 1 on generated tokens (EOS included): the model's own
+  tokens; a multi-turn response also holds tool tokens, with mask 0 (``distflow.fields``)
 
 and whose sample fields are ``prompt_len``, ``response_len``, ``group_index``
 (global prompt index in the step) [B] int64.
@@ -371,13 +372,12 @@ class HfRollout:
 
 
 def response_texts(tokenizer, batch: PackedBatch) -> list[str]:
-    """Decoded responses (special tokens dropped), in batch order."""
+    """Decoded responses (special tokens dropped), in batch order: each sample's tokens after its
+    ``prompt_len``, so a multi-turn response reads as its trajectory, tool outputs included (as
+    verl's reward managers decode it), not as the model's turns glued together."""
     # one device-to-host read of the two fields, not one sync per sample
     ids = batch.token_fields["input_ids"].cpu()
-    mask = batch.token_fields["response_mask"].cpu().bool()
+    prompt_lens = batch.sample_fields["prompt_len"].tolist()
     offsets = batch.cu_seqlens(dtype=torch.long).tolist()
-    out = []
-    for b in range(batch.num_samples):
-        seg = ids[offsets[b]:offsets[b + 1]][mask[offsets[b]:offsets[b + 1]]]
-        out.append(tokenizer.decode(seg.tolist(), skip_special_tokens=True))
-    return out
+    return [tokenizer.decode(ids[offsets[b] + prompt_lens[b]:offsets[b + 1]].tolist(), skip_special_tokens=True)
+            for b in range(batch.num_samples)]

@@ -15,6 +15,7 @@ from typing import Sequence
 import torch
 
 from distflow.data.batch import PackedBatch
+from distflow.data.model_tokens import model_token_counts
 from distflow.data.records import PromptRecord
 from distflow.engines.rollout import SamplingParams, render_prompts, step_seed
 from distflow.metrics import StepMetrics
@@ -56,10 +57,12 @@ def run_rollout(ctx: StageContext, node: PlannedNode, batch: None) -> StageOutpu
     ctx.prompts.update(zip(group_index, records))
     generated = generate_round(ctx.models.rollout, ctx.tokenizer, spec, records, group_index,
                                sampling_params(spec), step_seed(spec.trainer.seed, ctx.step), ctx.metrics)
-    resp = generated.sample_fields["response_len"].double()
+    # Length is the model's own tokens (tool outputs of a multi-turn sample excluded); clipped means
+    # the sample used the whole token budget, which tool tokens spend too.
+    resp = model_token_counts(generated).double()
     ctx.metrics.add_mean("response_length/mean", resp.sum(), resp.numel())
     ctx.metrics.add_max("response_length/max", resp.max())
-    clipped = (resp >= spec.data.max_response_length).double()
+    clipped = (generated.sample_fields["response_len"] >= spec.data.max_response_length).double()
     ctx.metrics.add_mean("response_length/clip_ratio", clipped.sum(), resp.numel())
     prompt = generated.sample_fields["prompt_len"].double()
     ctx.metrics.add_mean("prompt_length/mean", prompt.sum(), prompt.numel())
