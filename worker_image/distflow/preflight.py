@@ -3,7 +3,8 @@
 ``distflow validate`` runs it, and so does every launcher (local, env, ray)
 before it starts a worker: the plan, the model source, the data files (they
 exist, and their first record reads as a prompt), and the user's functions
-(the reward function and custom workflow nodes' functions are imported).
+(the reward function, custom workflow nodes' functions and the multi-turn
+tools and environment are imported).
 Each problem is a :class:`DistflowConfigError` naming the field and the fix.
 """
 
@@ -57,8 +58,10 @@ def data_problems(spec: JobSpec):
 
 
 def function_problems(spec: JobSpec):
-    """``spec.data.rewardFn`` / ``spec.workflow.nodes[i].function``: each user function that
+    """``spec.data.rewardFn`` / ``spec.workflow.nodes[i].function`` / ``spec.rollout.multiTurn``'s
+    tools and environment: each user function that
     does not import (imported here, so a typo fails now rather than in every worker)."""
+    from distflow.multiturn.loading import multi_turn_problems
     from distflow.rewards import load_reward_fn
     from distflow.user_functions import load_user_function
 
@@ -73,3 +76,4 @@ def function_problems(spec: JobSpec):
                 load_user_function(node.function, f"workflow node {node.id!r} function")
             except ValueError as err:
                 yield f"spec.workflow.nodes[{i}].function: {err}"
+    yield from multi_turn_problems(spec.rollout.multi_turn)

@@ -18,6 +18,7 @@ from distflow.data.batch import PackedBatch
 from distflow.data.records import PromptRecord
 from distflow.engines.rollout import SamplingParams, render_prompts, step_seed
 from distflow.metrics import StepMetrics
+from distflow.multiturn.rollout import generate_multi_turn
 from distflow.planner import PlannedNode
 from distflow.spec import JobSpec
 from distflow.stages.context import StageContext, StageOutput
@@ -35,7 +36,8 @@ def sampling_params(spec: JobSpec, held_out: bool = False) -> SamplingParams:
 
 def generate_round(rollout, tokenizer, spec: JobSpec, records: Sequence[PromptRecord], group_index: list[int],
                    params: SamplingParams, seed: int, metrics: StepMetrics | None = None) -> PackedBatch:
-    """Responses to ``records``: len(records) * params.n samples, the n of a prompt adjacent.
+    """Responses to ``records``: len(records) * params.n samples, the n of a prompt adjacent;
+    with ``rollout.multiTurn`` trajectories of several turns (``distflow.multiturn``).
 
     Args:
         rollout: the rollout engine.
@@ -43,6 +45,8 @@ def generate_round(rollout, tokenizer, spec: JobSpec, records: Sequence[PromptRe
         seed: the round's seed (``step_seed``), the same on every rank.
         metrics: where the engine reports its timings (None: nowhere).
     """
+    if spec.rollout.multi_turn.enable:
+        return generate_multi_turn(rollout, tokenizer, spec, records, group_index, params, seed, metrics)
     prompts = render_prompts(tokenizer, records, spec.data.max_prompt_length, spec.data.system_prompt)
     return rollout.generate(prompts, group_index, params, seed, metrics)
 
