@@ -35,3 +35,10 @@ class Countdown:
     def step(self, action_text: str):
         self.left -= 1
         return f"{self.left} left", float(bool(action_text)), self.left == 0
+
+
+class NoStep:
+    """An environment missing its step method."""
+
+    def reset(self, record):
+        return None

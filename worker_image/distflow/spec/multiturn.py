@@ -16,7 +16,7 @@ from __future__ import annotations
 import re
 from typing import Any, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field
 
 from distflow.spec.base import SpecBase
 
@@ -76,20 +76,13 @@ class MultiTurnSpec(SpecBase):
     text and returns `(observation, reward, done)`; the observation is the next user message and
     the rewards are summed into the sample field `env_reward`."""
 
-    @model_validator(mode="after")
-    def _tools_fit(self) -> "MultiTurnSpec":
-        problems = list(tool_problems(self))
-        if problems:
-            raise ValueError("\n".join(problems))
-        return self
-
 
 def tool_problems(spec: MultiTurnSpec):
-    """``tools[i]...: what is wrong; the fix`` for each tool whose description cannot work
-    (paths relative to ``rollout.multiTurn``), and a section with nothing to call."""
+    """``rollout.multiTurn.<field>: what is wrong; the fix`` for each tool whose description cannot
+    work, and a section with nothing to call (``JobSpec`` raises them with the other cross-field checks)."""
     names: dict[str, int] = {}
     for i, tool in enumerate(spec.tools):
-        where = f"tools[{i}]"
+        where = f"rollout.multiTurn.tools[{i}]"
         fn = tool.tool_schema.function
         if ":" not in tool.function:
             yield f"{where}.function: {tool.function!r} is not module:function; give e.g. mypkg.tools:search"
@@ -102,12 +95,12 @@ def tool_problems(spec: MultiTurnSpec):
         names.setdefault(fn.name, i)
         yield from (f"{where}.toolSchema.function.parameters{p}" for p in parameter_problems(fn.parameters))
     if spec.enable and not spec.tools and spec.environment is None:
-        yield "enable: a multi-turn rollout needs something to call; add tools or an environment, or set enable: false"
+        yield "rollout.multiTurn.enable: a multi-turn rollout needs something to call; add tools or an environment, or set enable: false"
     if spec.tools and spec.environment is not None:
-        yield ("environment: tools and an environment together are not supported; give the environment "
+        yield ("rollout.multiTurn.environment: tools and an environment together are not supported; give the environment "
                "the tools' work, or drop one")
     if spec.environment is not None and ":" not in spec.environment:
-        yield f"environment: {spec.environment!r} is not module:Class; give e.g. mypkg.envs:GuessNumber"
+        yield f"rollout.multiTurn.environment: {spec.environment!r} is not module:Class; give e.g. mypkg.envs:GuessNumber"
 
 
 def parameter_problems(parameters: dict[str, Any]):

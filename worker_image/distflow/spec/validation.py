@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from distflow.names import ARITHMETIC_SPLITS, BUILTIN_REWARDS, GROUP_ESTIMATORS, TINY_TOKENIZERS
+from distflow.spec.multiturn import tool_problems
 
 if TYPE_CHECKING:
     from distflow.spec.models import JobSpec
@@ -114,6 +115,7 @@ def _pool_problems(spec: JobSpec):
 def _multi_turn_problems(spec: JobSpec):
     """What ``rollout.multiTurn`` does not combine with yet."""
     turns = spec.rollout.multi_turn
+    yield from tool_problems(turns)
     if turns.enable and spec.rollout.engine != "hf":
         yield ("rollout.multiTurn.enable: multi-turn rollouts generate with the hf engine for now; set "
                "rollout.engine: hf or rollout.multiTurn.enable: false")
