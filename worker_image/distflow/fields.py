@@ -40,11 +40,14 @@ class StepField:
 
 FIELDS: dict[str, StepField] = {f.name: f for f in (
     StepField("input_ids", TOKEN, "int", ("rollout",), "prompt then response token ids"),
-    StepField("response_mask", TOKEN, "int", ("rollout",), "1 on generated tokens, 0 on the prompt"),
+    StepField("response_mask", TOKEN, "int", ("rollout",),
+              "1 on tokens the model sampled; 0 on the prompt and on tool/environment tokens (multi-turn)"),
     StepField("rollout_log_probs", TOKEN, "float", ("rollout",),
               "the sampling policy's log-probs of the sampled tokens (vllm; hf in asynchronous mode): truncated importance sampling"),
     StepField("prompt_len", SAMPLE, "int", ("rollout",), "prompt tokens (chat template included)"),
-    StepField("response_len", SAMPLE, "int", ("rollout",), "generated tokens"),
+    StepField("response_len", SAMPLE, "int", ("rollout",), "tokens after the prompt (model and tool tokens)"),
+    StepField("env_reward", SAMPLE, "float", ("rollout",),
+              "multi-turn with an environment: the rewards its steps returned, summed"),
     StepField("policy_version", SAMPLE, "int", ("rollout",),
               "asynchronous mode: optimizer steps the generating weights had taken (distflow.pools)"),
     StepField("group_index", SAMPLE, "int", ("rollout",),
