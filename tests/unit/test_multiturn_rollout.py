@@ -215,3 +215,24 @@ def test_an_environment_steps_every_turn_and_its_rewards_are_summed(model, token
     assert all(tr.env_reward == sum(1.0 for _ in range(3)) for tr in trajectories)
     batch = pack_trajectories(trajectories, False, True)
     assert batch.sample_fields["env_reward"].tolist() == [3.0] * 4
+
+
+def test_prompts_are_checked_against_max_prompt_length_with_the_tools_shown(tokenizer):
+    """A template that ignores ``tools=`` gets hermes instructions in the system prompt, and
+    ``data.truncation`` measures that prompt, not the plain one."""
+    from distflow.multiturn.tools import calculator
+    from distflow.spec import parse_spec
+    from distflow.stages.rollout import prompt_length
+
+    tool = {"function": "distflow.multiturn.tools.calculator:calculate", "toolSchema": calculator.SCHEMA}
+    doc = {"model": {"path": "tiny"}, "data": {"train": {"path": "arithmetic"}, "systemPrompt": "Be brief.",
+                                               "maxPromptLength": 1024},
+           "rollout": {"multiTurn": {"enable": True, "tools": [tool]}}}
+    spec = parse_spec(doc)
+    (record,) = records(1)
+    turns = TurnLoop.for_spec(tokenizer, spec)
+    text = tokenizer.decode(turns.render(record))
+    assert text.startswith("<|im_start|>system\nBe brief.\n\n# Tools") and '"name": "calculate"' in text
+    assert prompt_length(tokenizer, spec)(record) == len(tokenizer.encode(text)) == len(turns.render(record))
+    plain = parse_spec({**doc, "rollout": {}})
+    assert prompt_length(tokenizer, plain)(record) < prompt_length(tokenizer, spec)(record) - 100

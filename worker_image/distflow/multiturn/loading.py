@@ -33,13 +33,17 @@ def load_tools(spec: MultiTurnSpec) -> dict[str, Tool]:
             schema's required parameters as keywords (message names the tool).
     """
     tools = {}
-    for tool in spec.tools:
-        schema = tool.tool_schema.model_dump(by_alias=True, exclude_none=True)
+    for tool, schema in zip(spec.tools, tool_schemas(spec)):
         name = schema["function"]["name"]
         fn = load_user_function(tool.function, f"tool {name!r}")
         _check_parameters(fn, tool.function, name, schema["function"]["parameters"])
         tools[name] = Tool(name, fn, schema)
     return tools
+
+
+def tool_schemas(spec: MultiTurnSpec) -> list[dict[str, Any]]:
+    """The tools in the OpenAI format, as the chat template gets them (nothing imported)."""
+    return [tool.tool_schema.model_dump(by_alias=True, exclude_none=True) for tool in spec.tools]
 
 
 def _check_parameters(fn: Callable, ref: str, name: str, parameters: dict[str, Any]) -> None:

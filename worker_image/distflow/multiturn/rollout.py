@@ -321,4 +321,5 @@ def report(metrics, trajectories: list[Trajectory], stats: TurnStats) -> None:
     for kind, count in stats.errors.items():
         metrics.add_sum(f"multiturn/tool_errors/{kind}", count)
     metrics.add_sum("multiturn/tool_time_s", stats.tool_seconds)
-    metrics.add_mean("multiturn/env_reward/mean", sum(tr.env_reward for tr in trajectories), len(turns))
+    if any(tr.env is not None for tr in trajectories):  # the same on every rank: the spec decides
+        metrics.add_mean("multiturn/env_reward/mean", sum(tr.env_reward for tr in trajectories), len(turns))

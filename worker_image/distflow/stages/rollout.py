@@ -10,14 +10,16 @@ neither the world size nor on which rank generated them.
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
 from distflow.data.batch import PackedBatch
 from distflow.data.records import PromptRecord
-from distflow.engines.rollout import SamplingParams, render_prompts, step_seed
+from distflow.engines.rollout import SamplingParams, render_prompt, render_prompts, step_seed
 from distflow.metrics import StepMetrics
+from distflow.multiturn.loading import tool_schemas
+from distflow.multiturn.render import render_tool_prompt
 from distflow.multiturn.rollout import generate_multi_turn
 from distflow.planner import PlannedNode
 from distflow.spec import JobSpec
@@ -32,6 +34,16 @@ def sampling_params(spec: JobSpec, held_out: bool = False) -> SamplingParams:
     return SamplingParams(s.n, s.temperature, s.top_p, s.top_k, data.max_response_length,
                           r.micro_batch_size, share_prefill=r.share_prefill,
                           record_log_probs=stale and not held_out)
+
+
+def prompt_length(tokenizer, spec: JobSpec) -> Callable[[PromptRecord], int]:
+    """Tokens of a record's prompt as the rollout renders it (with ``rollout.multiTurn``, the tools
+    shown too): what ``data.truncation`` holds to ``data.maxPromptLength``."""
+    system = spec.data.system_prompt
+    if spec.rollout.multi_turn.enable:
+        schemas = tool_schemas(spec.rollout.multi_turn)
+        return lambda record: len(render_tool_prompt(tokenizer, record, system, schemas))
+    return lambda record: len(render_prompt(tokenizer, record, system))
 
 
 def generate_round(rollout, tokenizer, spec: JobSpec, records: Sequence[PromptRecord], group_index: list[int],
