@@ -42,3 +42,10 @@ class NoStep:
 
     def reset(self, record):
         return None
+
+
+class BrokenReset(Countdown):
+    """Its reset raises: the sample gets one turn, counted as an exception."""
+
+    def reset(self, record):
+        raise KeyError("no such task")

@@ -236,3 +236,14 @@ def test_prompts_are_checked_against_max_prompt_length_with_the_tools_shown(toke
     assert prompt_length(tokenizer, spec)(record) == len(tokenizer.encode(text)) == len(turns.render(record))
     plain = parse_spec({**doc, "rollout": {}})
     assert prompt_length(tokenizer, plain)(record) < prompt_length(tokenizer, spec)(record) - 100
+
+
+def test_an_environment_that_fails_to_reset_leaves_one_plain_turn(model, tokenizer):
+    spec = MultiTurnSpec(enable=True, environment=f"{TOOLS}:BrokenReset", maxTurns=5, maxTokensPerTurn=4)
+    from distflow.multiturn.loading import load_environment
+
+    turns = TurnLoop(tokenizer, spec, {}, load_environment(spec), 400, max_prompt_length=200)
+    engine = ScriptedEngine(model, tokenizer, lambda t, b: [])
+    trajectories, stats = turns.run(engine, [EOS], records(1), [0], params(), 4)
+    assert [tr.num_turns for tr in trajectories] == [1, 1] and len(engine.calls) == 1
+    assert stats.errors["exception"] == 2 and all(m == 1 for tr in trajectories for m in tr.mask)

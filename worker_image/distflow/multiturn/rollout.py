@@ -146,8 +146,11 @@ class TurnLoop:
         firsts = self._pool([functools.partial(tr.env.reset, rec) for tr, rec in zip(trajectories, per_sample)],
                             stats, count=False)
         for tr, rec, first in zip(trajectories, per_sample, firsts):
-            tr.prompt = self.render(rec, first.value if isinstance(first.value, str) else None)
-            tr.done = first.error is not None  # a broken environment: one turn, no steps
+            error = first.error or (None if first.value is None or isinstance(first.value, str) else "bad_output")
+            if error is not None:  # a broken environment: one turn, no steps
+                stats.errors[error] += 1
+                tr.done = True
+            tr.prompt = self.render(rec, first.value if error is None else None)
         self._generate(generate_fn, trajectories, replace(params, n=1), seed)
         return trajectories
 
