@@ -74,7 +74,8 @@ class MultiTurnSpec(SpecBase):
     plain tools: one instance per sample, `reset(record)` returns the first observation (str or
     None, appended to the prompt as a user message), `step(action_text)` gets every model turn's
     text and returns `(observation, reward, done)`; the observation is the next user message and
-    the rewards are summed into the sample field `env_reward`."""
+    the rewards are summed into the sample field `env_reward` (reported as
+    `multiturn/env_reward/mean`; the reward stage does not add it to the score yet)."""
 
 
 def tool_problems(spec: MultiTurnSpec):
