@@ -50,6 +50,8 @@ FIELDS: dict[str, StepField] = {f.name: f for f in (
     StepField("response_len", SAMPLE, "int", ("rollout",),
               "tokens after the prompt (prompt_len + response_len is the sample's length): the model's "
               "tokens plus, in a multi-turn response, the tool tokens; the model's own are sum(response_mask)"),
+    StepField("env_reward", SAMPLE, "float", ("rollout",),
+              "multi-turn with an environment: the rewards its steps returned, summed"),
     StepField("policy_version", SAMPLE, "int", ("rollout",),
               "asynchronous mode: optimizer steps the generating weights had taken (distflow.pools)"),
     StepField("group_index", SAMPLE, "int", ("rollout",),

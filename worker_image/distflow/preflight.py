@@ -3,9 +3,10 @@
 ``distflow validate`` runs it, and so does every launcher (local, env, ray)
 before it starts a worker: the plan, the model source, the data files (they
 exist, and their first record reads as a prompt), and the user's functions
-(the reward function and custom workflow nodes' functions are imported). Once
-the model is on disk, :func:`prompt_length_problems` renders the first prompt
-of each dataset with its tokenizer and checks it against ``data.maxPromptLength``.
+(the reward function, custom workflow nodes' functions and the multi-turn
+tools and environment are imported). Once the model is on disk,
+:func:`prompt_length_problems` renders the first prompt of each dataset with
+its tokenizer and checks it against ``data.maxPromptLength``.
 Each problem is a :class:`DistflowConfigError` naming the field and the fix.
 """
 
@@ -59,8 +60,10 @@ def data_problems(spec: JobSpec):
 
 
 def function_problems(spec: JobSpec):
-    """``spec.data.rewardFn`` / ``spec.workflow.nodes[i].function``: each user function that
+    """``spec.data.rewardFn`` / ``spec.workflow.nodes[i].function`` / ``spec.rollout.multiTurn``'s
+    tools and environment: each user function that
     does not import (imported here, so a typo fails now rather than in every worker)."""
+    from distflow.multiturn.loading import multi_turn_problems
     from distflow.rewards import load_reward_fn
     from distflow.user_functions import load_user_function
 
@@ -75,11 +78,13 @@ def function_problems(spec: JobSpec):
                 load_user_function(node.function, f"workflow node {node.id!r} function")
             except ValueError as err:
                 yield f"spec.workflow.nodes[{i}].function: {err}"
+    yield from multi_turn_problems(spec.rollout.multi_turn)
 
 
 def prompt_length_problems(spec: JobSpec, model_dir: str | Path):
     """``spec.data.maxPromptLength: ...`` when it is too short for the data, judged from each
-    dataset's first record rendered with the model's chat template (and ``data.systemPrompt``).
+    dataset's first record rendered as the rollout renders it: the model's chat template, with
+    ``data.systemPrompt`` and the tools of ``rollout.multiTurn`` when set.
 
     Two cases fail before any worker starts: the template alone (an empty user message) takes
     ``maxPromptLength`` tokens or more, so no prompt can fit whatever ``data.truncation`` says;
@@ -89,16 +94,18 @@ def prompt_length_problems(spec: JobSpec, model_dir: str | Path):
     """
     from distflow.data.records import PromptRecord
     from distflow.data.sources import dataset_source
-    from distflow.engines.rollout import render_prompt
     from distflow.models import load_tokenizer
+    from distflow.stages.rollout import prompt_length
 
     data = spec.data
-    tokenizer = load_tokenizer(model_dir)
+    length_of = prompt_length(load_tokenizer(model_dir), spec)
     blank = PromptRecord(uid="blank", messages=({"role": "user", "content": ""},), ground_truth="", data_source="")
-    empty = len(render_prompt(tokenizer, blank, data.system_prompt))
+    empty = length_of(blank)
     if empty >= data.max_prompt_length:
+        extras = [name for name, on in (("data.systemPrompt", data.system_prompt),
+                                        ("the tools of rollout.multiTurn", spec.rollout.multi_turn.enable)) if on]
         yield (f"spec.data.maxPromptLength: {data.max_prompt_length} tokens, but the chat template "
-               f"{'and data.systemPrompt alone take' if data.system_prompt else 'alone takes'} {empty} tokens, so no prompt "
+               f"{'and ' + ' and '.join(extras) + ' alone take' if extras else 'alone takes'} {empty} tokens, so no prompt "
                f"fits; raise data.maxPromptLength above {empty} plus the length of a question")
         return
     if data.truncation != "error":
@@ -109,7 +116,7 @@ def prompt_length_problems(spec: JobSpec, model_dir: str | Path):
         source = dataset_source(ds)
         if source.num_records == 0:
             continue
-        length = len(render_prompt(tokenizer, source.read([0])[0], data.system_prompt))
+        length = length_of(source.read([0])[0])
         if length > data.max_prompt_length:
             yield (f"spec.data.maxPromptLength: {data.max_prompt_length} tokens, but the first prompt of "
                    f"data.{name} renders to {length} tokens (chat template included) and data.truncation is "

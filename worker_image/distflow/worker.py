@@ -39,7 +39,7 @@ from distflow.engines import flex_masks, fsdp
 from distflow.engines.actor import Actor
 from distflow.engines.critic import build_critic
 from distflow.engines.loading import load_sharded_causal_lm, rollout_copy
-from distflow.engines.rollout import HfRollout, render_prompt, step_seed
+from distflow.engines.rollout import HfRollout, step_seed
 from distflow.exporter import NodeExporter
 from distflow.metrics import JsonlWriter, StepMetrics
 from distflow.models import DTYPES, load_tokenizer, model_cache_dir, resolve_model
@@ -48,7 +48,7 @@ from distflow.spec import JobSpec
 from distflow.spec.defaults import kv_cache_bytes_per_token, kv_cache_micro_batch_size, resolve_device_defaults
 from distflow.fields import check_stage_output
 from distflow.stages import STAGES, StageContext, StageModels, StageOutput, build_kl_controller
-from distflow.stages.rollout import generate_round, sampling_params
+from distflow.stages.rollout import generate_round, prompt_length, sampling_params
 from distflow.stages.scoring import score_responses
 
 
@@ -282,7 +282,7 @@ class DagWorker:
         if data.truncation == "left":
             return source
         mine = scan_share(source, self.rank, self.env.world_size, data.max_prompt_length,
-                          lambda record: len(render_prompt(self.tokenizer, record, data.system_prompt)))
+                          prompt_length(self.tokenizer, self.spec))
         everyone: list = [None] * self.env.world_size
         dist.all_gather_object(everyone, mine)  # small Python lists: the CPU backend carries them
         overlong = sorted((o for part in everyone for o in part), key=lambda o: o.index)

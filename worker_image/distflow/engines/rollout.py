@@ -28,8 +28,10 @@ the group before ``generate`` continues from it (see ``_shared_prefill``).
 
 from __future__ import annotations
 
+import functools
 import inspect
 import logging
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import numpy as np
@@ -171,7 +173,7 @@ class _PerSampleSampler:
 
 @torch.no_grad()
 def generate(model, tokenizer, prompts: list[list[int]], group_index: list[int],
-             params: SamplingParams, seed: int, device: torch.device) -> PackedBatch:
+             params: SamplingParams, seed: int, device: torch.device, independent: bool = False) -> PackedBatch:
     """Sample ``params.n`` responses per prompt; a response ends at any of ``eos_token_ids``.
 
     Args:
@@ -179,6 +181,8 @@ def generate(model, tokenizer, prompts: list[list[int]], group_index: list[int],
         group_index: the global index of each prompt in the step.
         seed: the step's seed (``step_seed``), the same on every rank; response ``j`` of
             prompt ``group_index[i]`` samples from ``sample_seed(seed, group_index[i], j)``.
+        independent: the ranks call this a different number of times (multi-turn rounds), on
+            weights gathered for the whole session: no per-token sync with the other ranks.
     Returns:
         PackedBatch of len(prompts) * n samples, the n of a prompt adjacent.
     """
@@ -189,7 +193,7 @@ def generate(model, tokenizer, prompts: list[list[int]], group_index: list[int],
     pad_id = tokenizer.pad_token_id
     eos_ids = eos_token_ids(model, tokenizer)
     kwargs = dict(max_new_tokens=params.max_new_tokens, pad_token_id=pad_id, eos_token_id=eos_ids, do_sample=False)
-    if process_group.pool_group() is not None:
+    if independent or process_group.pool_group() is not None:
         # transformers keeps the ranks of an FSDP model in step with an all-reduce over the WORLD
         # group at every token; with pools (distflow.pools) only this pool generates, on weights
         # gathered for the whole call (RolloutWeights), so no rank needs the others.
@@ -365,6 +369,16 @@ class HfRollout:
                  seed: int, metrics=None) -> PackedBatch:
         with self.weights.policy(metrics) as model:
             return generate(model, self.tokenizer, prompts, group_index, params, seed, self.device)
+
+    @contextmanager
+    def session(self, metrics=None):
+        """Weights held for several ``generate`` calls that no other rank joins (a multi-turn
+        round: each rank runs as many turns as its own samples need). Entered on every rank
+        together (it all-gathers shared weights); yields ``(generate_fn, end_ids)``, with
+        ``generate_fn(prompts, group_index, params, seed) -> PackedBatch``."""
+        with self.weights.policy(metrics) as model:
+            yield (functools.partial(generate, model, self.tokenizer, device=self.device, independent=True),
+                   eos_token_ids(model, self.tokenizer))
 
     def sync(self, actor_model=None) -> int:
         """Refresh a separate copy from the actor it was built with; bytes all-gathered."""
