@@ -235,3 +235,48 @@ def test_critic_update_ignores_tool_tokens_whatever_they_hold():
     assert value != 0.25 and value == pytest.approx(cut_value, rel=1e-6)
     assert metrics["critic/vf_loss"] == pytest.approx(cut_metrics["critic/vf_loss"], rel=1e-6)
     assert metrics["critic/vf_explained_var"] == pytest.approx(cut_metrics["critic/vf_explained_var"], rel=1e-6)
+
+
+def test_an_environments_rewards_are_added_to_the_reward_functions_score():
+    """Arithmetic's reward gives 1 for the right last integer, 0 for a wrong one; the
+    environment's summed rewards (``env_reward``) come on top, per sample."""
+    from distflow.data.records import PromptRecord
+    from distflow.models import build_byte_tokenizer
+    from distflow.stages.scoring import score_responses
+
+    tokenizer = build_byte_tokenizer()
+    texts = ["so 7", "so 8"]
+    ids = [tokenizer.encode("Q?", add_special_tokens=False) + tokenizer.encode(t, add_special_tokens=False)
+           for t in texts]
+    prompt = len(tokenizer.encode("Q?", add_special_tokens=False))
+    masks = [[0] * prompt + [1] * (len(i) - prompt) for i in ids]
+    lens = torch.tensor([len(i) for i in ids])
+    sample = {"prompt_len": torch.tensor([prompt, prompt]), "response_len": lens - prompt,
+              "group_index": torch.tensor([0, 0])}
+    token = {"input_ids": torch.tensor([t for i in ids for t in i]),
+             "response_mask": torch.tensor([m for mm in masks for m in mm], dtype=torch.int8)}
+    record = {0: PromptRecord("q0", ({"role": "user", "content": "3 + 4?"},), "7", "arithmetic")}
+    _, _, plain = score_responses(tokenizer, PackedBatch(lens, token, sample), record, None, "")
+    assert plain == [1.0, 0.0]
+    with_env = PackedBatch(lens, token, {**sample, "env_reward": torch.tensor([0.5, -0.25])})
+    _, _, scores = score_responses(tokenizer, with_env, record, None, "")
+    assert scores == pytest.approx([1.5, -0.25])
+
+
+def test_the_reward_reads_the_trajectory_up_to_the_models_last_turn():
+    """Tool outputs between turns are part of the text; one cut off after the last turn is not
+    (the model never answered from it): 'calc' + tool '17' + '=17' reads whole, 'calc' + tool
+    '17' (budget spent) reads 'calc'."""
+    from distflow.engines.rollout import response_texts
+    from distflow.models import build_byte_tokenizer
+
+    tokenizer = build_byte_tokenizer()
+    enc = lambda text: tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
+    pieces = [[("Q", 0), ("calc", 1), ("17", 0), ("=17", 1)], [("Q", 0), ("calc", 1), ("17", 0)]]
+    ids = [[t for text, _ in sample for t in enc(text)] for sample in pieces]
+    masks = [[m for text, m in sample for _ in enc(text)] for sample in pieces]
+    lens = torch.tensor([len(i) for i in ids])
+    batch = PackedBatch(lens, {"input_ids": torch.tensor([t for i in ids for t in i]),
+                               "response_mask": torch.tensor([m for mm in masks for m in mm], dtype=torch.int8)},
+                        {"prompt_len": torch.tensor([1, 1]), "response_len": lens - 1})
+    assert response_texts(tokenizer, batch) == ["calc17=17", "calc"]

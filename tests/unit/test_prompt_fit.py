@@ -125,3 +125,21 @@ def test_validate_checks_prompt_lengths_once_the_model_is_on_disk(byte_model, tm
     monkeypatch.setenv("DISTFLOW_CACHE", str(byte_model.parent.parent))
     assert cli.main(["validate", str(config)]) == 2
     assert "the first prompt of data.train renders to 64 tokens" in capsys.readouterr().err
+
+
+def test_the_tools_shown_to_a_multi_turn_model_count_against_max_prompt_length(byte_model):
+    """The hermes tool instructions join the prompt: 100 tokens fit the bare template, not the tools."""
+    from distflow.preflight import prompt_length_problems
+
+    calculator = {"function": "distflow.multiturn.tools.calculator:calculate",
+                  "toolSchema": {"type": "function", "function": {
+                      "name": "calculate", "description": "Evaluate an arithmetic expression.",
+                      "parameters": {"type": "object", "properties": {"expression": {"type": "string"}},
+                                     "required": ["expression"]}}}}
+    plain = _arithmetic(100, "left")
+    assert list(prompt_length_problems(plain, byte_model)) == []
+    spec = parse_spec({**plain.model_dump(by_alias=True, exclude_unset=True),
+                       "rollout": {"multiTurn": {"enable": True, "tools": [calculator]}}})
+    [problem] = prompt_length_problems(spec, byte_model)
+    assert problem.startswith("spec.data.maxPromptLength: 100 tokens, but the chat template and the tools of "
+                              "rollout.multiTurn alone take ")

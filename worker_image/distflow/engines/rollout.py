@@ -39,6 +39,7 @@ import torch
 
 from distflow import process_group
 from distflow.data.batch import PackedBatch
+from distflow.data.model_tokens import last_model_token
 
 
 @dataclass(frozen=True)
@@ -387,11 +388,15 @@ class HfRollout:
 
 def response_texts(tokenizer, batch: PackedBatch) -> list[str]:
     """Decoded responses (special tokens dropped), in batch order: each sample's tokens after its
-    ``prompt_len``, so a multi-turn response reads as its trajectory, tool outputs included (as
-    verl's reward managers decode it), not as the model's turns glued together."""
-    # one device-to-host read of the two fields, not one sync per sample
+    ``prompt_len`` up to its last model token, so a multi-turn response reads as its trajectory,
+    tool outputs between the model's turns included (as verl's reward managers decode it), not as
+    the model's turns glued together; a tool output the budget cut off after the model's last
+    turn is not part of it (the model never answered from it, so it cannot earn the reward)."""
+    # one device-to-host read of the fields, not one sync per sample
     ids = batch.token_fields["input_ids"].cpu()
     prompt_lens = batch.sample_fields["prompt_len"].tolist()
     offsets = batch.cu_seqlens(dtype=torch.long).tolist()
-    return [tokenizer.decode(ids[offsets[b] + prompt_lens[b]:offsets[b + 1]].tolist(), skip_special_tokens=True)
+    ends = (last_model_token(batch).cpu() + 1).tolist()
+    return [tokenizer.decode(ids[offsets[b] + prompt_lens[b]:max(ends[b], offsets[b] + prompt_lens[b])].tolist(),
+                             skip_special_tokens=True)
             for b in range(batch.num_samples)]

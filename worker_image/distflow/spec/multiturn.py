@@ -75,7 +75,7 @@ class MultiTurnSpec(SpecBase):
     None, appended to the prompt as a user message), `step(action_text)` gets every model turn's
     text and returns `(observation, reward, done)`; the observation is the next user message and
     the rewards are summed into the sample field `env_reward` (reported as
-    `multiturn/env_reward/mean`; the reward stage does not add it to the score yet)."""
+    `multiturn/env_reward/mean`) and added to the reward function's score of the sample."""
 
 
 def tool_problems(spec: MultiTurnSpec):

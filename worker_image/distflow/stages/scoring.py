@@ -33,10 +33,17 @@ def score_responses(tokenizer, batch: PackedBatch, record_of: Mapping[int, Promp
                     reward_fn: str | None, where: str) -> tuple[list[str], list[PromptRecord], list[float]]:
     """Each response's text, its prompt's record (by ``group_index``) and its reward, in batch order.
 
+    The reward is the reward function's score of the text, plus, for a multi-turn trajectory
+    with an environment (``rollout.multiTurn.environment``), the rewards its ``step`` returned
+    (``env_reward``, summed over the turns): a task scored by its environment alone gives a
+    reward function that returns 0 (e.g. ``rewardFn: module:zero``).
     ``where`` (``at step 3``) goes into the message of a reward function that raises."""
     texts = response_texts(tokenizer, batch)
     records = [record_of[g] for g in batch.sample_fields["group_index"].tolist()]
-    return texts, records, compute_scores(texts, records, reward_fn, where)
+    scores = compute_scores(texts, records, reward_fn, where)
+    if (env := batch.sample_fields.get("env_reward")) is not None:
+        scores = [s + e for s, e in zip(scores, env.tolist(), strict=True)]
+    return texts, records, scores
 
 
 def score_fields(batch: PackedBatch, scores: Sequence[float]) -> StageOutput:
