@@ -7,6 +7,8 @@
 # pkg@version` refuses, so the build runs inside a writable copy of the
 # downloaded module source. Optional: only tests/operator/test_keda.py needs
 # it, and it skips without it. The last stdout line is the bin directory.
+# With --cached it builds nothing: it prints the bin directory if the binaries
+# are there and exits 3 otherwise (the test fixture's check; a build takes long).
 #
 # Env: DISTFLOW_CACHE (default ~/.cache/distflow), GO, BUILD_PARALLELISM (as build.sh).
 set -euo pipefail
@@ -22,6 +24,10 @@ key="$(cat "${here}/keda.env" "${here}/build_keda.sh" | sha256sum | cut -c1-16)"
 bin="${cache_root}/${key}/bin"
 
 if [[ -x "${bin}/keda-adapter" ]]; then echo "${bin}"; exit 0; fi
+if [[ "${1:-}" == "--cached" ]]; then
+  echo "build_keda.sh: KEDA ${KEDA_VERSION} not built (run: bash tests/controlplane/build_keda.sh)" >&2
+  exit 3
+fi
 mkdir -p "${cache_root}"
 exec 9>"${cache_root}/${key}.lock"
 flock 9

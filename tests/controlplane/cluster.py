@@ -98,6 +98,15 @@ def missing_binaries(bin_dir: Path | None) -> list[str]:
     return [b for b in REQUIRED_BINARIES if not os.access(Path(bin_dir) / b, os.X_OK)]
 
 
+def http_ok(url: str) -> bool:
+    """Whether GET ``url`` answers 200 within 2 s (a readiness probe)."""
+    try:
+        with urllib.request.urlopen(url, timeout=2) as resp:
+            return resp.status == 200
+    except OSError:
+        return False
+
+
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that was free a moment ago."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:

@@ -28,13 +28,12 @@ import os
 import shutil
 import subprocess
 import time
-import urllib.request
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-from tests.controlplane.cluster import (ControlPlane, ControlPlaneError, _openssl, _pdeathsig_hook, free_port,
+from tests.controlplane.cluster import (ControlPlane, ControlPlaneError, _openssl, _pdeathsig_hook, free_port, http_ok,
                                         run_build_script)
 
 HERE = Path(__file__).resolve().parent
@@ -128,7 +127,7 @@ class Kueue:
         self.cp.request("POST", "/api/v1/namespaces", {"apiVersion": "v1", "kind": "Namespace",
                                                       "metadata": {"name": "kueue-system"}}, expect=(201, 409))
         self._start_process(certs)
-        self._wait(lambda: _http_ok(f"http://127.0.0.1:{probe_port}/readyz"), "readyz")
+        self._wait(lambda: http_ok(f"http://127.0.0.1:{probe_port}/readyz"), "readyz")
         manifests = list(yaml.safe_load_all((self.config_dir / "webhook.yaml").read_text()))
         hooks = local_webhooks([m for m in manifests if m], webhook_port, (self.cp.workdir / "ca.crt").read_bytes())
         out = self.cp.kubectl("apply", "-f", "-", input="\n---\n".join(yaml.safe_dump(h) for h in hooks))
@@ -182,11 +181,3 @@ class Kueue:
                 self.proc.kill()
                 self.proc.wait()
         self.proc = None
-
-
-def _http_ok(url: str) -> bool:
-    try:
-        with urllib.request.urlopen(url, timeout=2) as resp:
-            return resp.status == 200
-    except OSError:
-        return False
