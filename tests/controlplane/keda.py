@@ -32,13 +32,12 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
-import time
 from pathlib import Path
 
 import yaml
 
-from tests.controlplane.cluster import (ControlPlane, ControlPlaneError, _openssl, _pdeathsig_hook, free_port,
-                                        http_ok)
+from tests.controlplane.addon import Addon, issue_local_cert
+from tests.controlplane.cluster import ControlPlane, ControlPlaneError, free_port, http_ok
 
 HERE = Path(__file__).resolve().parent
 BUILD_SCRIPT = HERE / "build_keda.sh"
@@ -62,18 +61,6 @@ def cached_keda_bin() -> tuple[Path | None, str]:
     return (None, f"missing {', '.join(missing)} in {bin_dir}") if missing else (bin_dir, "")
 
 
-def issue_grpc_cert(directory: Path, ca_dir: Path) -> None:
-    """ca.crt, tls.crt and tls.key in ``directory``: a certificate for 127.0.0.1 and localhost, for
-    both ends of KEDA's mutual-TLS gRPC link (server and client use), signed by ca_dir/ca.{crt,key}."""
-    _openssl("req", "-new", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
-             "-keyout", "tls.key", "-out", "tls.csr", "-subj", "/CN=keda-operator", cwd=directory)
-    (directory / "tls.ext").write_text("basicConstraints=CA:FALSE\nextendedKeyUsage=serverAuth,clientAuth\n"
-                                       "subjectAltName=IP:127.0.0.1,DNS:localhost\n")
-    _openssl("x509", "-req", "-in", "tls.csr", "-CA", str(ca_dir / "ca.crt"), "-CAkey", str(ca_dir / "ca.key"),
-             "-set_serial", "4", "-days", "365", "-extfile", "tls.ext", "-out", "tls.crt", cwd=directory)
-    shutil.copy(ca_dir / "ca.crt", directory / "ca.crt")
-
-
 def metrics_api_objects(port: int) -> list[dict]:
     """The ExternalName Service and the APIService that route external.metrics.k8s.io to 127.0.0.1:port."""
     return [
@@ -86,7 +73,7 @@ def metrics_api_objects(port: int) -> list[dict]:
     ]
 
 
-class Keda:
+class Keda(Addon):
     """KEDA running against `control_plane`; a context manager that stops it by pid.
 
     Raises:
@@ -94,97 +81,49 @@ class Keda:
             has its log tail), or the API server did not mark the external metrics API Available.
     """
 
+    name = "keda"
+
     def __init__(self, bin_dir: Path, control_plane: ControlPlane, start_timeout_s: float = 120.0) -> None:
-        self.bin_dir, self.cp, self.start_timeout_s = Path(bin_dir), control_plane, start_timeout_s
+        super().__init__(control_plane, start_timeout_s)
+        self.bin_dir = Path(bin_dir)
         self.config_dir = self.bin_dir.parent / "config"
-        assert control_plane.workdir is not None
-        self.workdir = control_plane.workdir / "keda"
-        self.procs: dict[str, subprocess.Popen] = {}
-
-    def __enter__(self) -> Keda:
-        try:
-            self.start()
-        except BaseException:
-            self.stop()
-            raise
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
 
     def start(self) -> None:
-        shutil.rmtree(self.workdir, ignore_errors=True)
-        certs = self.workdir / "certs"
-        certs.mkdir(parents=True)
-        issue_grpc_cert(certs, self.cp.workdir)
-        self._apply_crds(sorted((self.config_dir / "crd").glob("*.yaml")))
+        certs = self.prepare()
+        # Both ends of KEDA's mutual-TLS gRPC link present it and trust the CA next to it.
+        issue_local_cert(certs, self.cp.workdir, "keda-operator", "serverAuth,clientAuth")
+        shutil.copy(self.cp.workdir / "ca.crt", certs / "ca.crt")
+        self.apply_crds(sorted((self.config_dir / "crd").glob("*.yaml")))
         self.cp.request("POST", "/api/v1/namespaces", {"apiVersion": "v1", "kind": "Namespace",
                                                       "metadata": {"name": KEDA_NAMESPACE}}, expect=(201, 409))
+        env = {**os.environ, "KUBECONFIG": str(self.cp.kubeconfig), "POD_NAMESPACE": KEDA_NAMESPACE,
+               "KEDA_CLUSTER_OBJECT_NAMESPACE": KEDA_NAMESPACE, "WATCH_NAMESPACE": ""}
         grpc_port, probe_port, secure_port = free_port(), free_port(), free_port()
-        self._spawn("keda-operator", [
-            f"--metrics-service-bind-address=127.0.0.1:{grpc_port}",
+        self.spawn("keda-operator", [
+            str(self.bin_dir / "keda-operator"), f"--metrics-service-bind-address=127.0.0.1:{grpc_port}",
             f"--health-probe-bind-address=127.0.0.1:{probe_port}", "--metrics-bind-address=0",
             f"--cert-dir={certs}", "--enable-cert-rotation=false", "--enable-webhook-patching=false",
-            "--enable-apiservice-patching=false", "--leader-elect=false", "--zap-log-level=info"])
-        self._wait("keda-operator", lambda: http_ok(f"http://127.0.0.1:{probe_port}/readyz"))
-        self._spawn("keda-adapter", [
-            f"--metrics-service-address=127.0.0.1:{grpc_port}", f"--port={free_port()}",
-            f"--secure-port={secure_port}", "--bind-address=127.0.0.1", f"--cert-dir={certs}",
-            f"--tls-cert-file={certs / 'tls.crt'}", f"--tls-private-key-file={certs / 'tls.key'}",
+            "--enable-apiservice-patching=false", "--leader-elect=false", "--zap-log-level=info"], env)
+        self.wait("operator", lambda: http_ok(f"http://127.0.0.1:{probe_port}/readyz"))
+        self.spawn("keda-adapter", [
+            str(self.bin_dir / "keda-adapter"), f"--metrics-service-address=127.0.0.1:{grpc_port}",
+            f"--port={free_port()}", f"--secure-port={secure_port}", "--bind-address=127.0.0.1",
+            f"--cert-dir={certs}", f"--tls-cert-file={certs / 'tls.crt'}",
+            f"--tls-private-key-file={certs / 'tls.key'}",
             f"--lister-kubeconfig={self.cp.kubeconfig}", f"--authentication-kubeconfig={self.cp.kubeconfig}",
-            f"--authorization-kubeconfig={self.cp.kubeconfig}", "--v=2"])
+            f"--authorization-kubeconfig={self.cp.kubeconfig}", "--v=2"], env)
         out = self.cp.kubectl("apply", "-f", "-",
                               input="\n---\n".join(yaml.safe_dump(o) for o in metrics_api_objects(secure_port)))
         if out.returncode != 0:
             raise ControlPlaneError(f"keda APIService: {out.stderr}")
-        self._wait("keda-adapter", self._metrics_api_available)
+        self.wait("external metrics APIService", self._metrics_api_available)
 
     def _metrics_api_available(self) -> bool:
         code, body = self.cp.request("GET", f"/apis/apiregistration.k8s.io/v1/apiservices/{EXTERNAL_METRICS_API}")
-        conditions = (body.get("status") or {}).get("conditions") or [] if code == 200 else []
+        conditions = ((body.get("status") or {}).get("conditions") or []) if code == 200 else []
         return any(c["type"] == "Available" and c["status"] == "True" for c in conditions)
 
-    def _apply_crds(self, files: list[Path]) -> None:
-        args = [a for f in files for a in ("-f", str(f))]
-        out = self.cp.kubectl("apply", "--server-side", *args, timeout_s=120)
-        if out.returncode != 0:
-            raise ControlPlaneError(f"keda CRDs: {out.stderr}")
-        names = [f"crd/{yaml.safe_load(f.read_text())['metadata']['name']}" for f in files]
-        self.cp.kubectl("wait", "--for=condition=Established", "--timeout=60s", *names, check=True, timeout_s=90)
-
-    def _spawn(self, name: str, args: list[str]) -> None:
-        env = {**os.environ, "KUBECONFIG": str(self.cp.kubeconfig), "POD_NAMESPACE": KEDA_NAMESPACE,
-               "KEDA_CLUSTER_OBJECT_NAMESPACE": KEDA_NAMESPACE, "WATCH_NAMESPACE": ""}
-        with open(self.workdir / f"{name}.log", "wb") as log:  # the child keeps its own descriptor
-            self.procs[name] = subprocess.Popen(
-                [str(self.bin_dir / name), *args], stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                env=env, cwd=self.workdir, preexec_fn=_pdeathsig_hook())  # noqa: PLW1509
-
-    def _wait(self, name: str, ready) -> None:
-        deadline = time.monotonic() + self.start_timeout_s
-        while time.monotonic() < deadline:
-            for proc_name, proc in self.procs.items():
-                if proc.poll() is not None:
-                    raise ControlPlaneError(f"{proc_name} exited with code {proc.returncode}:\n"
-                                            f"{self.log_tail(proc_name)}")
-            if ready():
-                return
-            time.sleep(0.5)
-        raise ControlPlaneError(f"{name} not ready after {self.start_timeout_s:.0f} s:\n{self.log_tail(name)}")
-
-    def log_tail(self, name: str, lines: int = 40) -> str:
-        log = self.workdir / f"{name}.log"
-        return "\n".join(log.read_text(errors="replace").splitlines()[-lines:]) if log.exists() else ""
-
     def stop(self) -> None:
+        """The APIService first: discovery must not wait on a stopped server."""
         self.cp.kubectl("delete", "--ignore-not-found", "apiservice", EXTERNAL_METRICS_API)
-        for name in ("keda-adapter", "keda-operator"):
-            proc = self.procs.pop(name, None)
-            if proc is None or proc.poll() is not None:
-                continue
-            proc.terminate()
-            try:
-                proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        super().stop()
