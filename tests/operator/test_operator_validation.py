@@ -178,7 +178,8 @@ def test_kubectl_apply_names_the_field(control_plane, k8s_namespace, crd):
 def test_fields_the_pods_compute_from_cannot_change_while_the_job_exists(api, operator):
     assert api.create_job(base_job("fixed"))[0] == 201
     for patch, field in (({"model": {"path": "tiny:qwen"}}, "spec.model"),
-                         ({"cluster": {"numNodes": 4}}, "spec.cluster"),
+                         ({"cluster": {"procsPerNode": 2}}, "spec.cluster"),
+                         ({"cluster": {"maxNodes": 8}}, "spec.cluster"),
                          ({"algorithm": {"advantageEstimator": "rloo"}}, "spec.algorithm")):
         status, body = api.patch_job("fixed", {"spec": patch})
         assert status == 422 and f"{field} cannot change while the job exists" in body["message"]

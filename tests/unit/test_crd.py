@@ -143,10 +143,14 @@ def test_descriptions_are_the_field_docstrings_on_one_line(spec_props):
 
 
 def test_fields_the_pods_compute_from_are_immutable_and_run_policy_is_not(spec_props):
-    for name in crdgen.IMMUTABLE:
+    for name in set(crdgen.IMMUTABLE) - set(crdgen.RESIZABLE):
         rules = spec_props[name]["x-kubernetes-validations"]
         assert rules[0]["rule"] == "self == oldSelf" and f"spec.{name}" in rules[0]["message"]
     assert "x-kubernetes-validations" not in spec_props["runPolicy"]
+    cluster_rule = spec_props["cluster"]["x-kubernetes-validations"][0]["rule"]
+    assert "numNodes" not in cluster_rule
+    assert "(has(self.maxNodes) ? has(oldSelf.maxNodes) && self.maxNodes == oldSelf.maxNodes" \
+        " : !has(oldSelf.maxNodes))" in cluster_rule
     assert set(crdgen.IMMUTABLE) >= {"model", "cluster", "workflow", "algorithm"}
 
 
