@@ -14,7 +14,7 @@ message must name. Categories (``CATEGORIES``):
   lines, not parquet, or of no known record schema; config files that are
   empty, not YAML or not a mapping.
 - ``conflict``: settings that are valid alone but not together.
-- ``bad function``: reward and custom-node functions that do not import.
+- ``bad function``: reward, custom-node and multi-turn tool functions that do not import.
 - ``bad manifest``: a misspelled ``kind`` or a manifest without a spec.
 
 The mutations of spec fields are derived from the pydantic model (so a new
@@ -288,6 +288,15 @@ CONFLICTS: list[tuple[str, str, dict]] = [
      {"async": {"enable": True}, "cluster": {"numNodes": 2}, "rollout": {"engine": "vllm"}}),
     ("asynchronous mode with dynamic sampling", "spec.async.enable",
      {"async": {"enable": True}, "cluster": {"numNodes": 2}, "algorithm": {"filterGroups": {"enable": True}}}),
+    ("multi-turn with nothing to call", "spec.rollout.multiTurn.enable", {"rollout": {"multiTurn": {"enable": True}}}),
+    ("multi-turn with vllm", "spec.rollout.multiTurn.enable",
+     {"rollout": {"engine": "vllm", "multiTurn": {"enable": True, "environment": "envs:Game"}}}),
+    ("multi-turn tool arguments not an object", "spec.rollout.multiTurn.tools[0].toolSchema.function.parameters",
+     {"rollout": {"multiTurn": {"enable": True, "tools": [{"function": "distflow.multiturn.tools.calculator:calculate",
+                                                          "toolSchema": {"function": {"name": "calculate",
+                                                                                      "parameters": {"type": "string"}}}}]}}}),
+    ("multi-turn turn longer than the budget", "spec.rollout.multiTurn.maxTokensPerTurn",
+     {"rollout": {"multiTurn": {"enable": True, "environment": "envs:Game", "maxTokensPerTurn": 100000}}}),
     ("custom workflow with a cycle", "spec.workflow.nodes", {"workflow": {"nodes": [
         {"id": "gen", "role": "rollout", "kind": "inference", "deps": ["train"]},
         {"id": "score", "role": "reward", "kind": "compute", "deps": ["gen"]},
@@ -329,6 +338,10 @@ def bad_functions(base: dict) -> list[BadConfig]:
         doc = {**base, "workflow": {"nodes": nodes}, "algorithm": {**base.get("algorithm", {}), "useKlLoss": False}}
         out.append(BadConfig(f"custom node: {what}", "bad function", "spec.workflow.nodes[2].function", doc,
                              files={**_good_files(), **USER_FILES}))
+        tool = {"function": ref, "toolSchema": {"function": {"name": "calculate"}}}
+        doc = {**base, "rollout": {**base.get("rollout", {}), "multiTurn": {"enable": True, "tools": [tool]}}}
+        out.append(BadConfig(f"multi-turn tool: {what}", "bad function", "spec.rollout.multiTurn.tools[0].function",
+                             doc, files={**_good_files(), **USER_FILES}))
     return out
 
 

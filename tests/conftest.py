@@ -1,6 +1,6 @@
 """Shared pytest plumbing: tier markers' run rules and the control plane fixtures.
 
-Markers are declared in pyproject.toml. Here: `bench`, `long` and `ray` tests
+Markers are declared in pyproject.toml. Here: `bench`, `long`, `keda` and `ray` tests
 run only when the -m expression names them (OPT_IN_TIERS); `gpu` tests skip without CUDA; `control_plane`
 builds (cached) and starts a real control plane once per session, lazily, so
 tests that do not ask for it never trigger a build; `report_figure` collects
@@ -23,6 +23,8 @@ REPO = Path(__file__).resolve().parents[1]
 OPT_IN_TIERS = {
     "bench": "benchmark",
     "long": "the chaos loops at full size (operator killed x10, API server x5, 100 jobs x 8 nodes; ~15 min on 2 cores)",
+    "keda": "KEDA's operator and metrics server on the test control plane (bash tests/controlplane/build_keda.sh "
+            "builds them once)",
     "ray": "Ray launcher tier (a two-node Ray cluster; 4 actors importing torch per run, ~5 min on 2 cores)",
 }
 """Tiers that run only when the -m expression names them: too long for the default run."""

@@ -63,12 +63,12 @@ CHOICES: dict[tuple[str, ...], tuple[str, ...]] = {
 }
 """Spec paths (``*`` = list item) of strings validated against a list -> their enum."""
 
-IMMUTABLE = ("model", "data", "rollout", "algorithm", "actor", "workflow", "dataPlane",
+IMMUTABLE = ("model", "data", "rollout", "algorithm", "actor", "workflow", "cluster", "dataPlane",
              "checkpoint", "trainer", "async")
 """What the pods compute: fixed for the job's life (runPolicy stays editable)."""
 RESIZABLE = {"cluster": "numNodes"}
-"""Sections fixed for the job's life but for one field: ``cluster.numNodes`` changes by a resize
-(``kubectl scale``; the operator restarts the gang at the new size from a checkpoint)."""
+"""Within an IMMUTABLE section, the field a resize changes (the scale subresource's replicas:
+`kubectl scale`, an autoscaler); the section's other fields stay fixed."""
 
 MAX_NAME_LENGTH = MAX_JOB_NAME_LENGTH
 
@@ -234,28 +234,26 @@ def model_schema(model: type, with_defaults: bool) -> dict[str, Any]:
     return _structural(raw, defs, (), with_defaults)
 
 
+def _unchanged_rule(section: dict[str, Any], resizable: str | None) -> str:
+    """CEL transition rule: the section equals its old self, ``resizable`` (a scalar field) aside.
+    Each field may be absent (the API server checks the section's default ``{}`` against the rule
+    too): then it must be absent on both sides."""
+    if resizable is None:
+        return "self == oldSelf"
+    return " && ".join(f"(has(self.{f}) ? has(oldSelf.{f}) && self.{f} == oldSelf.{f} : !has(oldSelf.{f}))"
+                       for f in section["properties"] if f != resizable)
+
+
 def spec_schema() -> dict[str, Any]:
     schema = model_schema(JobSpec, with_defaults=True)
     for name in IMMUTABLE:
         schema["properties"][name]["x-kubernetes-validations"] = [{
-            "rule": "self == oldSelf",
+            "rule": _unchanged_rule(schema["properties"][name], RESIZABLE.get(name)),
             "message": f"spec.{name} cannot change while the job exists; create a new job "
-                       f"(it resumes from spec.checkpoint.dir)"}]
-    for name, mutable in RESIZABLE.items():
-        section = schema["properties"][name]
-        section["x-kubernetes-validations"] = [{
-            "rule": _all_but_unchanged(section, mutable),
-            "message": f"spec.{name} cannot change while the job exists, except spec.{name}.{mutable} "
-                       f"(a resize); create a new job (it resumes from spec.checkpoint.dir)"}]
+                       f"(it resumes from spec.checkpoint.dir)"
+                       + (f"; only {name}.{RESIZABLE[name]} may (a resize)" if name in RESIZABLE else "")}]
     schema["x-kubernetes-validations"] = SPEC_RULES
     return schema
-
-
-def _all_but_unchanged(section: dict[str, Any], mutable: str) -> str:
-    """CEL: every field of ``section`` but ``mutable`` equals its old value, set or unset alike (the API
-    server also checks the rule against the section's ``default: {}``, where no field is set)."""
-    return " && ".join(f"(has(self.{f}) ? has(oldSelf.{f}) && self.{f} == oldSelf.{f} : !has(oldSelf.{f}))"
-                       for f in sorted(section["properties"]) if f != mutable)
 
 
 def status_schema() -> dict[str, Any]:

@@ -26,7 +26,7 @@ from distflow_operator import API_GROUP, API_VERSION, MANAGER, PLURAL
 from distflow_operator.config import OperatorConfig
 from distflow_operator.kube import KubeApi, TokenBucket, client_configuration, kopf_login
 from distflow_operator.leader import LeaderElector
-from distflow_operator.metrics import OperatorMetrics
+from distflow_operator.metrics import JobProgress, OperatorMetrics
 from distflow_operator.podcache import PodCache
 from distflow_operator.reconcile import Reconciler
 from distflow_operator.render import LABEL_JOB, LABEL_MANAGED_BY
@@ -133,8 +133,13 @@ def rljob_index(namespace: str, name: str, body: kopf.Body, **_: Any) -> dict:
 
 
 @kopf.on.event(API_GROUP, API_VERSION, PLURAL)
-async def job_changed(namespace: str, name: str, memo: kopf.Memo, **_: Any) -> None:
-    memo["runtime"].reconciler.kick((namespace, name))
+async def job_changed(type: str | None, namespace: str, name: str, body: kopf.Body,  # noqa: A002
+                      memo: kopf.Memo, **_: Any) -> None:
+    runtime = memo["runtime"]
+    if type != "DELETED":
+        # The autoscaler's roll-up follows the status the reconciler wrote (node 0's progress).
+        runtime.metrics.record_progress(namespace, name, JobProgress.from_body(body))
+    runtime.reconciler.kick((namespace, name))
 
 
 @kopf.on.event("pods")

@@ -13,6 +13,10 @@ Series:
     distflow_operator_job_restarts_total{namespace,job_name}  the job's gang restarts (status.restarts)
     distflow_operator_job_nodes_ready{namespace,job_name}     ready node pods
     distflow_operator_job_nodes_desired{namespace,job_name}   spec.cluster.numNodes
+    distflow_operator_job_step{namespace,job_name}            last training step (status.progress.step)
+    distflow_operator_job_step_duration_seconds{...}          wall time of the last step (status.progress.stepSeconds)
+    distflow_operator_job_throughput_tokens_per_second{...}   tokens/s per accelerator (status.progress.tokensPerSecond)
+    distflow_operator_job_tokens_per_second{...}              tokens/s of the whole job: the above x workers
     distflow_operator_gang_restarts_total                     gang restarts this operator performed
     distflow_operator_time_to_running_seconds                 histogram: (re)start -> every node running
     distflow_operator_reconciles_total
@@ -28,8 +32,9 @@ from __future__ import annotations
 
 import bisect
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 
@@ -69,12 +74,36 @@ class JobSample:
     desired_nodes: int
 
 
+@dataclass(frozen=True)
+class JobProgress:
+    """A job's roll-up for autoscalers, from its status.progress (what node 0 reported)."""
+
+    step: int | None = None
+    step_seconds: float | None = None
+    """Wall time of the last step."""
+    tokens_per_second: float | None = None
+    """Prompt+response tokens per second per accelerator (verl's definition)."""
+    num_workers: int = 0
+    """spec.cluster.numNodes x procsPerNode, the accelerators of verl's definition: the job's
+    tokens/s is tokens_per_second times this."""
+
+    @classmethod
+    def from_body(cls, body: Mapping[str, Any]) -> JobProgress:
+        """From an RLPostTrainJob object (dict); missing fields stay None."""
+        progress = (body.get("status") or {}).get("progress") or {}
+        cluster = (body.get("spec") or {}).get("cluster") or {}
+        return cls(step=progress.get("step"), step_seconds=progress.get("stepSeconds"),
+                   tokens_per_second=progress.get("tokensPerSecond"),
+                   num_workers=int(cluster.get("numNodes", 1)) * int(cluster.get("procsPerNode", 1)))
+
+
 class OperatorMetrics:
     """Thread-safe state behind the collector: the event loop writes, the HTTP thread reads."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._jobs: dict[tuple[str, str], JobSample] = {}
+        self._progress: dict[tuple[str, str], JobProgress] = {}
         self._gang_restarts = 0
         self._reconciles = 0
         self._errors = 0
@@ -93,16 +122,23 @@ class OperatorMetrics:
         with self._lock:
             self._jobs[(namespace, name)] = sample
 
+    def record_progress(self, namespace: str, name: str, progress: JobProgress) -> None:
+        """The job's roll-up; exported while the job's phase is recorded (``record_job``)."""
+        with self._lock:
+            self._progress[(namespace, name)] = progress
+
     def forget_job(self, namespace: str, name: str) -> None:
         """Drop the job's series (it was deleted)."""
         with self._lock:
             self._jobs.pop((namespace, name), None)
+            self._progress.pop((namespace, name), None)
 
     def forget_jobs(self) -> None:
         """Drop every job's series: a newly elected leader records them anew from the API's state,
         without the jobs deleted while it stood by."""
         with self._lock:
             self._jobs.clear()
+            self._progress.clear()
 
     def record_gang_restarts(self, count: int) -> None:
         with self._lock:
@@ -139,6 +175,7 @@ class OperatorMetrics:
         leading = self.is_leader()
         with self._lock:
             jobs = dict(self._jobs) if leading else {}
+            progress = {key: p for key, p in self._progress.items() if key in jobs}
             restarts, reconciles, errors = self._gang_restarts, self._reconciles, self._errors
             time_to_running = self._time_to_running.family(
                 "distflow_operator_time_to_running_seconds", "From pods created (or gang restart) to every node running")
@@ -149,6 +186,7 @@ class OperatorMetrics:
         yield GaugeMetricFamily("distflow_operator_leader", "1 on the replica that reconciles (the Lease holder, "
                                 "or the only replica without election)", value=int(leading))
         yield from self._job_families(jobs)
+        yield from self._progress_families(progress)
         yield CounterMetricFamily("distflow_operator_gang_restarts",
                                   "Gang restarts this operator performed", value=restarts)
         yield CounterMetricFamily("distflow_operator_reconciles", "Reconciles run", value=reconciles)
@@ -186,3 +224,24 @@ class OperatorMetrics:
             ready.add_metric([namespace, name], sample.ready_nodes)
             desired.add_metric([namespace, name], sample.desired_nodes)
         yield from (phase, restarts, ready, desired)
+
+    @staticmethod
+    def _progress_families(jobs: dict[tuple[str, str], JobProgress]) -> Iterator[Metric]:
+        """The autoscaler's per-job roll-up; a series is absent while node 0 has not reported it."""
+        labels = ["namespace", "job_name"]
+        step = GaugeMetricFamily("distflow_operator_job_step", "Last training step node 0 reported", labels=labels)
+        seconds = GaugeMetricFamily("distflow_operator_job_step_duration_seconds", "Wall time of the last step",
+                                    labels=labels)
+        per_accelerator = GaugeMetricFamily("distflow_operator_job_throughput_tokens_per_second",
+                                            "Prompt+response tokens per second per accelerator", labels=labels)
+        total = GaugeMetricFamily("distflow_operator_job_tokens_per_second",
+                                  "Prompt+response tokens per second of the whole job", labels=labels)
+        for (namespace, name), p in sorted(jobs.items()):
+            if p.step is not None:
+                step.add_metric([namespace, name], p.step)
+            if p.step_seconds is not None:
+                seconds.add_metric([namespace, name], p.step_seconds)
+            if p.tokens_per_second is not None:
+                per_accelerator.add_metric([namespace, name], p.tokens_per_second)
+                total.add_metric([namespace, name], p.tokens_per_second * p.num_workers)
+        yield from (step, seconds, per_accelerator, total)

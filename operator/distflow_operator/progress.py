@@ -2,8 +2,8 @@
 
 Choice, by least privilege. Node 0 already serves Prometheus metrics on its
 ``metrics`` port (``distflow_step``, ``distflow_throughput_tokens_per_second``,
-``distflow_checkpoint_step``); the operator reads them over HTTP every few
-seconds while the job runs. The alternatives need the pods to hold API rights:
+``distflow_step_duration_seconds``, ``distflow_checkpoint_step``); the
+operator reads them over HTTP every few seconds while the job runs. The alternatives need the pods to hold API rights:
 
 - pods patching the RLPostTrainJob's status: every pod could then rewrite any
   job's status in the namespace;
@@ -30,6 +30,7 @@ from prometheus_client.parser import text_string_to_metric_families
 PROGRESS_SERIES = {
     "distflow_step": ("step", int),
     "distflow_throughput_tokens_per_second": ("tokensPerSecond", float),
+    "distflow_step_duration_seconds": ("stepSeconds", float),
     "distflow_checkpoint_step": ("lastCheckpointStep", int),
 }
 """Node metric -> (status.progress field, type)."""

@@ -73,6 +73,8 @@ class Progress(_Status):
     """spec.trainer.totalSteps."""
     tokens_per_second: float | None = None
     """Tokens (prompt+response) per second per accelerator, verl's definition, as node 0 reports it."""
+    step_seconds: float | None = None
+    """Wall time of the last step, seconds, as node 0 reports it."""
     last_checkpoint_step: int | None = None
     """Step of the newest complete checkpoint."""
 

@@ -7,9 +7,13 @@ keeping the median, because this machine is shared and its load drifts.
 
 from __future__ import annotations
 
+import json
 import os
 import platform
 import statistics
+import subprocess
+import sys
+import time
 from pathlib import Path
 from typing import Sequence
 
@@ -102,3 +106,32 @@ def md_table(header: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
     lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
     return "\n".join(lines)
+
+
+def bench_env() -> dict:
+    """The environment of a benchmark's child process: this checkout first on PYTHONPATH."""
+    paths = [str(REPO_ROOT / "worker_image"), str(REPO_ROOT / "operator"), str(REPO_ROOT)]
+    old = os.environ.get("PYTHONPATH")
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(paths + ([old] if old else [])),
+            "TOKENIZERS_PARALLELISM": "false"}
+
+
+def run_distflow_job(config: Path, args: Sequence[str], log_dir: Path, job_name: str, workdir: Path,
+                     timeout_s: float) -> tuple[list[dict], float]:
+    """``distflow run CONFIG --no-resume ARGS`` in a child process.
+
+    Returns:
+        The run's metrics.jsonl records (in ``log_dir``) and its wall time in seconds.
+
+    Raises:
+        RuntimeError: the run exited non-zero (with the end of its stderr).
+        subprocess.TimeoutExpired: it ran past ``timeout_s``.
+    """
+    start = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-m", "distflow.cli", "run", str(config), "--no-resume", *args],
+                          env={**bench_env(), "DISTFLOW_JOB_NAME": job_name}, cwd=workdir,
+                          capture_output=True, text=True, timeout=timeout_s)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{job_name} failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
+    records = [json.loads(x) for x in (log_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    return records, time.perf_counter() - start

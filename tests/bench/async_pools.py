@@ -23,13 +23,10 @@ Runs alternate (sync, async, async, sync, sync, async), seeds 0, 1, 2 for each,
 from __future__ import annotations
 
 import json
-import subprocess
-import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from tests.bench._common import REPO_ROOT, median
-from tests.bench.e2e_trl import _env, _python
+from tests.bench._common import REPO_ROOT, median, run_distflow_job
 
 QUICKSTART = REPO_ROOT / "examples" / "quickstart.yaml"
 
@@ -56,19 +53,13 @@ def _overrides(s: Settings, mode: str, seed: int, log_dir: Path) -> list[str]:
 def run_one(s: Settings, mode: str, seed: int, workdir: Path, timeout_s: float = 3600) -> dict:
     """One ``distflow run`` of the quickstart; its per-step timings and held-out scores."""
     log_dir = workdir / f"{mode}-seed{seed}"
-    start = time.perf_counter()
-    proc = subprocess.run([_python(), "-m", "distflow.cli", "run", str(QUICKSTART), "--no-resume",
-                           *_overrides(s, mode, seed, log_dir)],
-                          env={**_env(), "DISTFLOW_JOB_NAME": f"bench-{mode}-{seed}"}, cwd=workdir,
-                          capture_output=True, text=True, timeout=timeout_s)
-    if proc.returncode != 0:
-        raise RuntimeError(f"{mode} seed {seed} failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
-    records = [json.loads(x) for x in (log_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    records, wall = run_distflow_job(QUICKSTART, _overrides(s, mode, seed, log_dir), log_dir,
+                                     f"bench-{mode}-{seed}", workdir, timeout_s)
     steps = [r for r in records if "timing_s/step" in r]
     evals = [(int(r["training/step"]), r["eval/score"]) for r in records if "eval/score" in r]
     out = {"step_seconds": [r["timing_s/step"] for r in steps], "eval": evals,
            "reward": [r.get("critic/score/mean", 0.0) for r in steps],
-           "wall_seconds": time.perf_counter() - start}
+           "wall_seconds": wall}
     if mode == "async":
         out["generate_seconds"] = [r["timing_s/generate"] for r in steps]
         out["train_seconds"] = [r["timing_s/train"] for r in steps]

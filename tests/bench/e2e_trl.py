@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 import tempfile
@@ -43,7 +42,7 @@ import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-from tests.bench._common import REPO_ROOT, median
+from tests.bench._common import bench_env, median, run_distflow_job
 from tests.bench.balancer import gsm8k_dir
 
 
@@ -66,17 +65,6 @@ class Settings:
     reshard_after_forward: bool = False
     """distflow only: ``actor.reshardAfterForward``. False (ZeRO-2 style) keeps the weights the
     rollout all-gathered through the update, as TRL's single process holds the whole model."""
-
-
-def _python() -> str:
-    return sys.executable
-
-
-def _env() -> dict:
-    paths = [str(REPO_ROOT / "worker_image"), str(REPO_ROOT / "operator"), str(REPO_ROOT)]
-    old = os.environ.get("PYTHONPATH")
-    return {**os.environ, "PYTHONPATH": os.pathsep.join(paths + ([old] if old else [])),
-            "TOKENIZERS_PARALLELISM": "false"}
 
 
 def distflow_spec(s: Settings, log_dir: str) -> dict:
@@ -104,28 +92,22 @@ def run_distflow(s: Settings, workdir: Path, tag: str, timeout_s: float) -> dict
     log_dir = workdir / f"distflow-{tag}"
     config = workdir / f"distflow-{tag}.yaml"
     config.write_text(yaml.safe_dump(distflow_spec(s, str(log_dir))))
-    start = time.perf_counter()
-    proc = subprocess.run([_python(), "-m", "distflow.cli", "run", str(config), "--no-resume"],
-                          env={**_env(), "DISTFLOW_JOB_NAME": f"bench-{tag}"}, cwd=workdir,
-                          capture_output=True, text=True, timeout=timeout_s)
-    if proc.returncode != 0:
-        raise RuntimeError(f"distflow run failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
-    records = [json.loads(x) for x in (log_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    records, wall = run_distflow_job(config, (), log_dir, f"bench-{tag}", workdir, timeout_s)
     steps = [r for r in records if "timing_s/step" in r]
     stages = sorted({k for r in steps for k in r if k.startswith("timing_s/") and k != "timing_s/step"})
     return {"step_seconds": [r["timing_s/step"] for r in steps],
             "step_tokens": [r["perf/total_num_tokens"] for r in steps],
             "stage_seconds": {k.removeprefix("timing_s/"): [r.get(k, 0.0) for r in steps] for k in stages},
             "response_length": [r.get("response_length/mean", 0.0) for r in steps],
-            "wall_seconds": time.perf_counter() - start}
+            "wall_seconds": wall}
 
 
 def run_trl(s: Settings, workdir: Path, tag: str, timeout_s: float) -> dict:
     out = workdir / f"trl-{tag}.json"
     start = time.perf_counter()
-    proc = subprocess.run([_python(), "-m", "tests.bench.e2e_trl", "--trl-child", str(out),
+    proc = subprocess.run([sys.executable, "-m", "tests.bench.e2e_trl", "--trl-child", str(out),
                            "--settings", json.dumps(asdict(s))],
-                          env=_env(), cwd=workdir, capture_output=True, text=True, timeout=timeout_s)
+                          env=bench_env(), cwd=workdir, capture_output=True, text=True, timeout=timeout_s)
     if proc.returncode != 0:
         raise RuntimeError(f"TRL run failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
     return {**json.loads(out.read_text()), "wall_seconds": time.perf_counter() - start}

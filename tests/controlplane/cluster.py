@@ -47,6 +47,9 @@ KWOK_STAGES = HERE / "kwok-stages.yaml"
 REQUIRED_BINARIES = ("etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler", "kwok")
 KWOK_NODE_ANNOTATION = ("kwok.x-k8s.io/node", "fake")
 SERVICE_CIDR = "10.96.0.0/16"
+FRONT_PROXY_CLIENT = "front-proxy-client"
+"""CN of the certificate the API server presents to extension API servers (APIService backends)."""
+HPA_SYNC_PERIOD_S = 2
 KUBECTL = shutil.which("kubectl") or "/usr/bin/kubectl"
 TERMINAL_EXIT_CODES = {"Succeeded": 0, "Failed": 1}
 SUPERVISE_INTERVAL_S = 0.5
@@ -93,6 +96,15 @@ def missing_binaries(bin_dir: Path | None) -> list[str]:
     if bin_dir is None:
         return list(REQUIRED_BINARIES)
     return [b for b in REQUIRED_BINARIES if not os.access(Path(bin_dir) / b, os.X_OK)]
+
+
+def http_ok(url: str) -> bool:
+    """Whether GET ``url`` answers 200 within 2 s (a readiness probe)."""
+    try:
+        with urllib.request.urlopen(url, timeout=2) as resp:
+            return resp.status == 200
+    except OSError:
+        return False
 
 
 def free_port() -> int:
@@ -154,8 +166,10 @@ def _openssl(*args: str, cwd: Path) -> None:
 
 
 def generate_pki(directory: Path) -> None:
-    """Write ca.{crt,key}, apiserver.{crt,key} (CA-signed, SANs for 127.0.0.1)
-    and the service-account key pair sa.{key,pub}; all EC P-256 (fast to make).
+    """Write ca.{crt,key}, apiserver.{crt,key} (CA-signed, SANs for 127.0.0.1),
+    the service-account key pair sa.{key,pub}, and for the aggregation layer a
+    front-proxy-ca.{crt,key} with the client certificate the API server presents
+    to extension API servers, front-proxy-client.{crt,key}; all EC P-256 (fast to make).
 
     Raises:
         subprocess.CalledProcessError: openssl failed.
@@ -175,6 +189,15 @@ def generate_pki(directory: Path) -> None:
              "-out", "apiserver.crt", cwd=directory)
     _openssl("ecparam", "-name", "prime256v1", "-genkey", "-noout", "-out", "sa.key", cwd=directory)
     _openssl("ec", "-in", "sa.key", "-pubout", "-out", "sa.pub", cwd=directory)
+    # A CA of its own, as kubeadm does: a certificate of the cluster CA must not pass as the front proxy.
+    _openssl("req", "-x509", *ec, "-keyout", "front-proxy-ca.key", "-out", "front-proxy-ca.crt", "-days", "3650",
+             "-subj", "/CN=distflow-test-front-proxy-ca", cwd=directory)
+    _openssl("req", "-new", *ec, "-keyout", "front-proxy-client.key", "-out", "front-proxy-client.csr",
+             "-subj", f"/CN={FRONT_PROXY_CLIENT}", cwd=directory)
+    (directory / "front-proxy-client.ext").write_text("basicConstraints=CA:FALSE\nextendedKeyUsage=clientAuth\n")
+    _openssl("x509", "-req", "-in", "front-proxy-client.csr", "-CA", "front-proxy-ca.crt",
+             "-CAkey", "front-proxy-ca.key", "-set_serial", "2", "-days", "3650",
+             "-extfile", "front-proxy-client.ext", "-out", "front-proxy-client.crt", cwd=directory)
 
 
 def kubeconfig_text(server: str, ca_file: Path, token: str, user: str = "admin") -> str:
@@ -410,6 +433,13 @@ class ControlPlane:
             # A loopback advertise address is refused by the endpoint reconciler;
             # nothing runs in-cluster, so the `kubernetes` Service needs no endpoints.
             "--endpoint-reconciler-type=none", "--v=1",
+            # The aggregation layer (APIService), for extension API servers such as KEDA's metrics server.
+            f"--requestheader-client-ca-file={w / 'front-proxy-ca.crt'}",
+            f"--requestheader-allowed-names={FRONT_PROXY_CLIENT}",
+            "--requestheader-username-headers=X-Remote-User", "--requestheader-group-headers=X-Remote-Group",
+            "--requestheader-extra-headers-prefix=X-Remote-Extra-",
+            f"--proxy-client-cert-file={w / 'front-proxy-client.crt'}",
+            f"--proxy-client-key-file={w / 'front-proxy-client.key'}",
         ])
         self.kubeconfig = self.workdir / "admin.kubeconfig"
         self.kubeconfig.write_text(kubeconfig_text(self.server, self.ca_file, self.token))
@@ -440,6 +470,8 @@ class ControlPlane:
             kc, "--leader-elect=false", "--secure-port=0", "--controllers=*",
             f"--service-account-private-key-file={w / 'sa.key'}", f"--root-ca-file={w / 'ca.crt'}",
             f"--service-cluster-ip-range={SERVICE_CIDR}", "--v=1",
+            # HorizontalPodAutoscalers (KEDA's) act within seconds, not the default 15 s.
+            f"--horizontal-pod-autoscaler-sync-period={HPA_SYNC_PERIOD_S}s",
         ])
         self._spawn("kube-scheduler", [kc, "--leader-elect=false", "--secure-port=0", "--v=1"])
         stages = [s for s in yaml.safe_load_all(KWOK_STAGES.read_text())

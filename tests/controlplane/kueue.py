@@ -25,17 +25,13 @@ from __future__ import annotations
 
 import base64
 import os
-import shutil
-import subprocess
-import time
-import urllib.request
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-from tests.controlplane.cluster import (ControlPlane, ControlPlaneError, _openssl, _pdeathsig_hook, free_port,
-                                        run_build_script)
+from tests.controlplane.addon import Addon, issue_local_cert
+from tests.controlplane.cluster import ControlPlane, ControlPlaneError, free_port, http_ok, run_build_script
 
 HERE = Path(__file__).resolve().parent
 BUILD_SCRIPT = HERE / "build_kueue.sh"
@@ -49,16 +45,6 @@ others target integrations that are off here and would refuse every call."""
 def build_kueue(timeout_s: float = 3600.0) -> Path:
     """Run build_kueue.sh and return the kueue binary (see ``cluster.run_build_script``)."""
     return run_build_script(BUILD_SCRIPT, timeout_s)
-
-
-def issue_serving_cert(directory: Path, ca_dir: Path) -> None:
-    """tls.{crt,key} for IP 127.0.0.1, signed by ca_dir/ca.{crt,key} (EC P-256)."""
-    _openssl("req", "-new", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
-             "-keyout", "tls.key", "-out", "tls.csr", "-subj", "/CN=kueue-webhook", cwd=directory)
-    (directory / "tls.ext").write_text("basicConstraints=CA:FALSE\nextendedKeyUsage=serverAuth\n"
-                                       "subjectAltName=IP:127.0.0.1,DNS:localhost\n")
-    _openssl("x509", "-req", "-in", "tls.csr", "-CA", str(ca_dir / "ca.crt"), "-CAkey", str(ca_dir / "ca.key"),
-             "-set_serial", "3", "-days", "365", "-extfile", "tls.ext", "-out", "tls.crt", cwd=directory)
 
 
 def local_webhooks(manifests: list[dict[str, Any]], port: int, ca_pem: bytes) -> list[dict[str, Any]]:
@@ -91,7 +77,7 @@ def kueue_config(webhook_port: int, probe_port: int, cert_dir: Path) -> dict[str
     }
 
 
-class Kueue:
+class Kueue(Addon):
     """Kueue running against `control_plane`; a context manager that stops it by pid.
 
     Raises:
@@ -99,49 +85,28 @@ class Kueue:
             (the message has its log tail), or ``unshare`` is refused here.
     """
 
+    name = "kueue"
+
     def __init__(self, binary: Path, control_plane: ControlPlane, start_timeout_s: float = 120.0) -> None:
-        self.binary, self.cp, self.start_timeout_s = Path(binary), control_plane, start_timeout_s
+        super().__init__(control_plane, start_timeout_s)
+        self.binary = Path(binary)
         self.config_dir = self.binary.parent.parent / "config"
-        assert control_plane.workdir is not None
-        self.workdir = control_plane.workdir / "kueue"
-        self.proc: subprocess.Popen | None = None
-
-    def __enter__(self) -> Kueue:
-        try:
-            self.start()
-        except BaseException:
-            self.stop()
-            raise
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
 
     def start(self) -> None:
-        shutil.rmtree(self.workdir, ignore_errors=True)
-        certs = self.workdir / "certs"
-        certs.mkdir(parents=True)
-        issue_serving_cert(certs, self.cp.workdir)
+        certs = self.prepare()
+        issue_local_cert(certs, self.cp.workdir, "kueue-webhook")
         webhook_port, probe_port = free_port(), free_port()
         (self.workdir / "config.yaml").write_text(yaml.safe_dump(kueue_config(webhook_port, probe_port, certs)))
-        self._apply(sorted((self.config_dir / "crd").glob("*.yaml")))
+        self.apply_crds(sorted((self.config_dir / "crd").glob("*.yaml")))
         self.cp.request("POST", "/api/v1/namespaces", {"apiVersion": "v1", "kind": "Namespace",
                                                       "metadata": {"name": "kueue-system"}}, expect=(201, 409))
         self._start_process(certs)
-        self._wait(lambda: _http_ok(f"http://127.0.0.1:{probe_port}/readyz"), "readyz")
+        self.wait("readyz", lambda: http_ok(f"http://127.0.0.1:{probe_port}/readyz"))
         manifests = list(yaml.safe_load_all((self.config_dir / "webhook.yaml").read_text()))
         hooks = local_webhooks([m for m in manifests if m], webhook_port, (self.cp.workdir / "ca.crt").read_bytes())
         out = self.cp.kubectl("apply", "-f", "-", input="\n---\n".join(yaml.safe_dump(h) for h in hooks))
         if out.returncode != 0:
             raise ControlPlaneError(f"kueue webhook configurations: {out.stderr}")
-
-    def _apply(self, files: list[Path]) -> None:
-        args = [a for f in files for a in ("-f", str(f))]
-        out = self.cp.kubectl("apply", "--server-side", *args, timeout_s=120)
-        if out.returncode != 0:
-            raise ControlPlaneError(f"kueue CRDs: {out.stderr}")
-        names = [f"crd/{yaml.safe_load(f.read_text())['metadata']['name']}" for f in files]
-        self.cp.kubectl("wait", "--for=condition=Established", "--timeout=60s", *names, check=True, timeout_s=90)
 
     def _start_process(self, certs: Path) -> None:
         # A tmpfs on /etc in a private mount namespace: Kueue's fixed metrics-cert path, nowhere else.
@@ -151,42 +116,11 @@ class Kueue:
         userns = [] if os.geteuid() == 0 else ["--user", "--map-root-user"]
         cmd = ["unshare", *userns, "--mount", "--propagation", "private", "sh", "-c", script, "kueue", str(self.binary), f"--config={self.workdir / 'config.yaml'}",
                "--feature-gates=VisibilityOnDemand=false", f"--kubeconfig={self.cp.kubeconfig}"]
-        with open(self.workdir / "kueue.log", "wb") as log:
-            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                         preexec_fn=_pdeathsig_hook())  # noqa: PLW1509
-
-    def _wait(self, ready, what: str) -> None:
-        deadline = time.monotonic() + self.start_timeout_s
-        while time.monotonic() < deadline:
-            if self.proc is not None and self.proc.poll() is not None:
-                raise ControlPlaneError(f"kueue exited with code {self.proc.returncode}:\n{self.log_tail()}")
-            if ready():
-                return
-            time.sleep(0.2)
-        raise ControlPlaneError(f"kueue {what} not ready after {self.start_timeout_s:.0f} s:\n{self.log_tail()}")
-
-    def log_tail(self, lines: int = 40) -> str:
-        log = self.workdir / "kueue.log"
-        return "\n".join(log.read_text(errors="replace").splitlines()[-lines:]) if log.exists() else ""
+        self.spawn("kueue", cmd)
 
     def stop(self) -> None:
         """Remove the webhook configurations first (pods must not wait on a stopped webhook), then Kueue."""
         for kind in ("mutating", "validating"):
             self.cp.kubectl("delete", "--ignore-not-found", f"{kind}webhookconfiguration",
                             f"{WEBHOOK_PREFIX}-{kind}")
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self.proc = None
-
-
-def _http_ok(url: str) -> bool:
-    try:
-        with urllib.request.urlopen(url, timeout=2) as resp:
-            return resp.status == 200
-    except OSError:
-        return False
+        super().stop()

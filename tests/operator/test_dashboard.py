@@ -83,7 +83,7 @@ def metric_names(expr: str) -> set[str]:
 def observed_families() -> list:
     """The runtime's and the operator's metric families after one step, a checkpoint and a job."""
     from distflow.exporter import STEP_GAUGES, NodeExporter
-    from distflow_operator.metrics import JobSample, OperatorMetrics
+    from distflow_operator.metrics import JobProgress, JobSample, OperatorMetrics
     from prometheus_client import CollectorRegistry
 
     node = NodeExporter("j", 0, port=0)
@@ -92,6 +92,7 @@ def observed_families() -> list:
     node.observe_checkpoint(1)
     operator = OperatorMetrics()
     operator.record_job("ns", "j", JobSample("Running", 0, 1, 1))
+    operator.record_progress("ns", "j", JobProgress(step=1, step_seconds=1.0, tokens_per_second=1.0, num_workers=1))
     operator.observe_time_to_running(1.0)
     registry = CollectorRegistry()
     registry.register(operator)

@@ -38,9 +38,13 @@ def test_scale_subresource_reports_the_gang_and_refuses_sizes_out_of_bounds(cont
         assert api.job(name)["spec"]["cluster"]["numNodes"] == 2
     assert api.status(name)["phase"] == "Running" and len(api.live_pods(name, attempt=1)) == 2
 
-    # Only numNodes may change: the rest of spec.cluster is fixed for the job's life.
+    # A size within the bounds is the one change spec.cluster accepts; its other fields stay fixed.
     code, body = api.patch_job(name, {"spec": {"cluster": {"procsPerNode": 2}}})
-    assert code == 422 and "except spec.cluster.numNodes (a resize)" in body["message"], body
+    assert code == 422 and "only cluster.numNodes may" in body["message"], body
+    code, body = control_plane.request("PATCH", scale, {"spec": {"replicas": 4}},
+                                       content_type="application/merge-patch+json")
+    assert code == 200 and body["spec"]["replicas"] == 4, body
+    assert api.job(name)["spec"]["cluster"]["numNodes"] == 4
 
 
 def _config_data(api, name):

@@ -179,6 +179,7 @@ def test_fields_the_pods_compute_from_cannot_change_while_the_job_exists(api, op
     assert api.create_job(base_job("fixed"))[0] == 201
     for patch, field in (({"model": {"path": "tiny:qwen"}}, "spec.model"),
                          ({"cluster": {"procsPerNode": 2}}, "spec.cluster"),
+                         ({"cluster": {"maxNodes": 8}}, "spec.cluster"),
                          ({"algorithm": {"advantageEstimator": "rloo"}}, "spec.algorithm")):
         status, body = api.patch_job("fixed", {"spec": patch})
         assert status == 422 and f"{field} cannot change while the job exists" in body["message"]

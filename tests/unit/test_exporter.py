@@ -5,7 +5,7 @@ import urllib.request
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from distflow.exporter import NodeExporter
+from distflow.exporter import NodeExporter, role_wait_ratios
 from distflow.launcher import free_port
 
 pytestmark = pytest.mark.unit
@@ -35,3 +35,24 @@ def test_node_exporter_serves_step_metrics():
     assert got[("distflow_redistributed_bytes_total", key)] == 5120.0
     assert got[("distflow_local_cache_hits_total", job)] == 4.0
     assert got[("distflow_balance_imbalance_ratio", job)] == 1.02
+
+
+def test_scaling_series_give_node_throughput_and_trainer_wait_share():
+    port = free_port()
+    exporter = NodeExporter("elastic", node=0, port=port)
+    metrics = {"timing_s/step": 4.0, "timing_s/generate": 2.5, "timing_s/train": 1.0,
+               "async/trainer_wait_s": 1.0, "async/in_flight_samples": 64.0}
+    exporter.observe_step(3, metrics, {}, 2000.0, 0.0, 0.0)
+    got = _scrape(port)
+    job = (("job_name", "elastic"), ("node", "0"))
+    assert got[("distflow_node_throughput_tokens_per_second", job)] == 500.0
+    assert got[("distflow_role_wait_ratio", job + (("role", "trainer"),))] == 0.25
+    assert got[("distflow_async_in_flight_samples", job)] == 64.0
+    assert got[("distflow_stage_duration_seconds", tuple(sorted(job + (("stage", "generate"),))))] == 2.5
+    assert got[("distflow_step_duration_seconds", job)] == 4.0
+
+
+def test_role_wait_ratio_is_clipped_and_absent_without_a_step_time():
+    assert role_wait_ratios({"timing_s/step": 2.0, "async/trainer_wait_s": 3.0}) == {"trainer": 1.0}
+    assert role_wait_ratios({"async/trainer_wait_s": 3.0}) == {}
+    assert role_wait_ratios({"timing_s/step": 2.0}) == {}

@@ -6,7 +6,7 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
 from distflow_operator.config import OperatorConfig
-from distflow_operator.metrics import JobSample, OperatorMetrics
+from distflow_operator.metrics import JobProgress, JobSample, OperatorMetrics
 
 pytestmark = pytest.mark.unit
 
@@ -147,3 +147,28 @@ def test_a_new_leader_starts_its_job_series_from_nothing(scrape):
     metrics.record_job("a", "deleted-while-standing-by", JobSample("Running", 0, 2, 2))
     metrics.forget_jobs()
     assert value("distflow_operator_jobs", phase="Running") == 0
+
+
+def test_job_roll_up_gives_step_seconds_and_tokens_per_second_of_the_whole_job(scrape):
+    metrics, value = scrape
+    body = {"spec": {"cluster": {"numNodes": 2, "procsPerNode": 4}},
+            "status": {"progress": {"step": 9, "stepSeconds": 6.5, "tokensPerSecond": 250.0}}}
+    metrics.record_job("a", "j1", JobSample("Running", 0, 2, 2))
+    metrics.record_progress("a", "j1", JobProgress.from_body(body))
+    labels = {"namespace": "a", "job_name": "j1"}
+    assert value("distflow_operator_job_step", **labels) == 9
+    assert value("distflow_operator_job_step_duration_seconds", **labels) == 6.5
+    assert value("distflow_operator_job_throughput_tokens_per_second", **labels) == 250.0
+    assert value("distflow_operator_job_tokens_per_second", **labels) == 2000.0
+
+
+def test_job_roll_up_waits_for_the_phase_and_goes_with_the_job(scrape):
+    metrics, value = scrape
+    labels = {"namespace": "a", "job_name": "j1"}
+    metrics.record_progress("a", "j1", JobProgress(step=3, step_seconds=1.0, tokens_per_second=10.0, num_workers=2))
+    assert value("distflow_operator_job_step", **labels) is None
+    metrics.record_job("a", "j1", JobSample("Running", 0, 2, 2))
+    assert value("distflow_operator_job_tokens_per_second", **labels) == 20.0
+    metrics.forget_job("a", "j1")
+    assert value("distflow_operator_job_step_duration_seconds", **labels) is None
+    assert JobProgress.from_body({"metadata": {}}) == JobProgress(num_workers=1)

@@ -117,3 +117,13 @@ def test_bad_workflows_are_rejected_with_reason(wf, message):
 def test_unknown_builtin_workflow():
     with pytest.raises(DistflowConfigError, match="spec.workflow.name: unknown workflow 'grpo2'"):
         build_plan(_spec(workflow={"name": "grpo2"}))
+
+
+def test_describe_aligns_the_chain_columns_for_long_names():
+    """DAPO's node and role names are longer than GRPO's: every row's columns still line up."""
+    plan = build_plan(_spec(workflow={"name": "dapo"}))
+    text = plan.describe()
+    rows = [line for line in text.splitlines() if " role=" in line]
+    assert any("dynamic_sampling" in row for row in rows)
+    for column in ("role=", "kind=", "placement=", "deps="):
+        assert len({row.index(column) for row in rows}) == 1, (column, rows)

@@ -70,3 +70,76 @@ def test_truncation_is_a_spec_choice_and_error_by_default():
     assert parse_spec({**base, "data": {**base["data"], "truncation": "filter"}}).data.truncation == "filter"
     with pytest.raises(Exception, match="truncation"):
         parse_spec({**base, "data": {**base["data"], "truncation": "right"}})
+
+
+def _arithmetic(max_prompt_length: int, truncation: str, **data):
+    return parse_spec({"model": {"path": "tiny:byte"},
+                       "data": {"train": {"path": "arithmetic"}, "trainBatchSize": 2,
+                                "maxPromptLength": max_prompt_length, "truncation": truncation, **data}})
+
+
+@pytest.fixture(scope="module")
+def byte_model(tmp_path_factory):
+    from distflow.models import build_tiny_model
+
+    return build_tiny_model("byte", tmp_path_factory.mktemp("cache"))
+
+
+def test_a_max_prompt_length_shorter_than_the_chat_template_fails_before_workers(byte_model):
+    """The byte tokenizer's ChatML template around an empty user message is 19 tokens (bytes and
+    3 specials), so 10 leaves no room for any question, whatever data.truncation says."""
+    from distflow.preflight import prompt_length_problems
+
+    for truncation in ("error", "filter", "left"):
+        assert list(prompt_length_problems(_arithmetic(10, truncation), byte_model)) == [
+            "spec.data.maxPromptLength: 10 tokens, but the chat template alone takes 19 tokens, so no prompt "
+            "fits; raise data.maxPromptLength above 19 plus the length of a question"]
+    with_system = _arithmetic(30, "left", systemPrompt="Answer with a number.")
+    assert "chat template and data.systemPrompt alone take" in next(prompt_length_problems(with_system, byte_model))
+
+
+def test_a_first_prompt_over_the_limit_fails_before_workers_only_when_truncation_is_error(byte_model):
+    """Arithmetic's first training prompt renders to 64 byte tokens."""
+    from distflow.preflight import check_prompt_lengths
+
+    with pytest.raises(DistflowConfigError, match=(
+            r"spec.data.maxPromptLength: 40 tokens, but the first prompt of data.train renders to 64 tokens "
+            r"\(chat template included\) and data.truncation is error; raise data.maxPromptLength to at least 64")):
+        check_prompt_lengths(_arithmetic(40, "error"), byte_model)
+    check_prompt_lengths(_arithmetic(64, "error"), byte_model)
+    check_prompt_lengths(_arithmetic(40, "filter"), byte_model)  # the workers drop and count them
+    check_prompt_lengths(_arithmetic(40, "left"), byte_model)
+
+
+def test_validate_checks_prompt_lengths_once_the_model_is_on_disk(byte_model, tmp_path, monkeypatch, capsys):
+    import yaml
+
+    from distflow import cli
+
+    config = tmp_path / "run.yaml"
+    config.write_text(yaml.safe_dump({"model": {"path": "tiny:byte"},
+                                      "data": {"train": {"path": "arithmetic"}, "trainBatchSize": 2,
+                                               "maxPromptLength": 40, "truncation": "error"}}))
+    monkeypatch.setenv("DISTFLOW_CACHE", str(tmp_path / "empty"))
+    assert cli.main(["validate", str(config)]) == 0  # no model on disk: validate converts and builds nothing
+    monkeypatch.setenv("DISTFLOW_CACHE", str(byte_model.parent.parent))
+    assert cli.main(["validate", str(config)]) == 2
+    assert "the first prompt of data.train renders to 64 tokens" in capsys.readouterr().err
+
+
+def test_the_tools_shown_to_a_multi_turn_model_count_against_max_prompt_length(byte_model):
+    """The hermes tool instructions join the prompt: 100 tokens fit the bare template, not the tools."""
+    from distflow.preflight import prompt_length_problems
+
+    calculator = {"function": "distflow.multiturn.tools.calculator:calculate",
+                  "toolSchema": {"type": "function", "function": {
+                      "name": "calculate", "description": "Evaluate an arithmetic expression.",
+                      "parameters": {"type": "object", "properties": {"expression": {"type": "string"}},
+                                     "required": ["expression"]}}}}
+    plain = _arithmetic(100, "left")
+    assert list(prompt_length_problems(plain, byte_model)) == []
+    spec = parse_spec({**plain.model_dump(by_alias=True, exclude_unset=True),
+                       "rollout": {"multiTurn": {"enable": True, "tools": [calculator]}}})
+    [problem] = prompt_length_problems(spec, byte_model)
+    assert problem.startswith("spec.data.maxPromptLength: 100 tokens, but the chat template and the tools of "
+                              "rollout.multiTurn alone take ")

@@ -170,9 +170,12 @@ def test_progress_is_parsed_from_node_metrics():
             'distflow_throughput_tokens_per_second{job_name="grpo",node="0"} 1234.5678\n'
             "# TYPE distflow_checkpoint_step gauge\n"
             "distflow_checkpoint_step 10\n"
+            "# TYPE distflow_step_duration_seconds gauge\n"
+            "distflow_step_duration_seconds 6.25\n"
             "# TYPE distflow_reward_mean gauge\n"
             "distflow_reward_mean 0.4\n")
-    assert parse_progress(text) == {"step": 12, "tokensPerSecond": 1234.568, "lastCheckpointStep": 10}
+    assert parse_progress(text) == {"step": 12, "tokensPerSecond": 1234.568, "lastCheckpointStep": 10,
+                                    "stepSeconds": 6.25}
     assert parse_progress("# nothing here\n") == {}
 
 

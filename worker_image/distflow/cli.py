@@ -90,10 +90,13 @@ def cmd_validate(args) -> int:
     from fsspec.utils import get_protocol
 
     from distflow.checkpoint_origin import check_resume
-    from distflow.preflight import preflight
+    from distflow.models import model_cache_dir, resolved_model_dir
+    from distflow.preflight import check_prompt_lengths, preflight
 
     spec = _load(args)
     preflight(spec)
+    if (model_dir := resolved_model_dir(spec.model.path, model_cache_dir())) is not None:
+        check_prompt_lengths(spec, model_dir)  # only when the model is on disk: validate converts nothing
     if spec.checkpoint.dir and get_protocol(spec.checkpoint.dir) == "file":  # an object store is not probed here
         # What `distflow run` refuses at its start: a checkpoint made from another model or workflow
         # (the model's shape is compared there, once the model is resolved).

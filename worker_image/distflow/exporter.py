@@ -3,7 +3,13 @@
 All series carry ``job_name`` (the RLPostTrainJob or run name) and ``node``
 labels. Per-rank transfer counters carry ``rank`` too. Names follow
 Prometheus conventions: ``_total`` for counters, ``_seconds`` / ``_bytes``
-units in the name.
+units in the name, ``_ratio`` for shares in [0, 1].
+
+The series an autoscaler reads (docs/operations.md, "Scaling metrics"):
+``distflow_node_throughput_tokens_per_second`` (this node's share of the
+step's tokens over the step's wall time), ``distflow_stage_duration_seconds``
+by stage, ``distflow_role_wait_ratio`` by role and, in asynchronous mode,
+``distflow_async_in_flight_samples``.
 """
 
 from __future__ import annotations
@@ -18,7 +24,8 @@ STEP_GAUGES = {
     "actor/entropy": ("distflow_entropy", "Mean token entropy of the actor"),
     "actor/pg_loss": ("distflow_policy_loss", "Policy-gradient loss of the step"),
     "actor/grad_norm": ("distflow_grad_norm", "Global gradient norm before clipping"),
-    "response_length/mean": ("distflow_response_length_tokens", "Mean response length"),
+    "response_length/mean": ("distflow_response_length_tokens",
+                             "Mean response length: the model's own tokens (tool outputs excluded)"),
     "data/balance_imbalance": ("distflow_balance_imbalance_ratio",
                                "Max/mean token cost per dp rank after balancing"),
     "timing_s/step": ("distflow_step_duration_seconds", "Wall time of the last step"),
@@ -31,6 +38,26 @@ STEP_GAUGES = {
                              "Time the trainer pool waited for samples and the weight sync in the last step"),
 }
 
+ROLE_WAITS = {"trainer": "async/trainer_wait_s"}
+"""Role -> step metric of the seconds it waited in the step. Only the asynchronous trainer pool
+waits on another role (for samples and the weight sync); in synchronous mode every rank runs
+every stage in turn, so no role waits and the ratio is not exported."""
+
+
+def role_wait_ratios(metrics: dict[str, float]) -> dict[str, float]:
+    """Share of the step's wall time each role waited, clipped to [0, 1].
+
+    Args:
+        metrics: one step's global metrics (``timing_s/step`` and the ``ROLE_WAITS`` keys, seconds).
+
+    Returns:
+        {role: ratio} for the roles whose wait the step measured; empty without a step time.
+    """
+    step_s = metrics.get("timing_s/step", 0.0)
+    if step_s <= 0:
+        return {}
+    return {role: min(1.0, max(0.0, metrics[key] / step_s)) for role, key in ROLE_WAITS.items() if key in metrics}
+
 
 class NodeExporter:
     """Registers distflow_* series and serves them on ``port`` (0: not served)."""
@@ -42,6 +69,12 @@ class NodeExporter:
         self.step = Gauge("distflow_step", "Last completed training step", names, registry=self.registry)
         self.tokens = Counter("distflow_tokens", "Prompt+response tokens trained on (whole job)",
                               names, registry=self.registry)
+        self.node_throughput = Gauge(
+            "distflow_node_throughput_tokens_per_second",
+            "Prompt+response tokens of the last step this node trained on, per second of the step",
+            names, registry=self.registry)
+        self.role_wait = Gauge("distflow_role_wait_ratio", "Share of the last step's wall time a role waited",
+                               names + ["role"], registry=self.registry)
         self.stage = Gauge("distflow_stage_duration_seconds", "Wall time of a stage in the last step",
                            names + ["stage"], registry=self.registry)
         self.gauges = {key: Gauge(name, doc, names, registry=self.registry)
@@ -59,10 +92,17 @@ class NodeExporter:
 
     def observe_step(self, step: int, metrics: dict[str, float], rank_bytes: dict[tuple[int, str], float],
                      num_tokens: float, cache_hits: float, exchanges: float) -> None:
-        """Update every series from one step's global metrics and this node's ranks' bytes."""
+        """Update every series from one step's global metrics and this node's ranks' bytes.
+
+        ``num_tokens`` is this node's share of the step's prompt+response tokens.
+        """
         lab = self.labels
         self.step.labels(**lab).set(step)
         self.tokens.labels(**lab).inc(num_tokens)
+        if metrics.get("timing_s/step", 0.0) > 0:
+            self.node_throughput.labels(**lab).set(num_tokens / metrics["timing_s/step"])
+        for role, ratio in role_wait_ratios(metrics).items():
+            self.role_wait.labels(**lab, role=role).set(ratio)
         for key, value in metrics.items():
             if key.startswith("timing_s/"):
                 self.stage.labels(**lab, stage=key.removeprefix("timing_s/")).set(value)

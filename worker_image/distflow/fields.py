@@ -40,18 +40,26 @@ class StepField:
 
 FIELDS: dict[str, StepField] = {f.name: f for f in (
     StepField("input_ids", TOKEN, "int", ("rollout",), "prompt then response token ids"),
-    StepField("response_mask", TOKEN, "int", ("rollout",), "1 on generated tokens, 0 on the prompt"),
+    StepField("response_mask", TOKEN, "int", ("rollout",),
+              "1 on the tokens the model sampled; 0 on the prompt and, in a multi-turn response, on the tool "
+              "outputs and chat-template tokens between the model's turns (losses, counts and advantages "
+              "cover the 1s only)"),
     StepField("rollout_log_probs", TOKEN, "float", ("rollout",),
               "the sampling policy's log-probs of the sampled tokens (vllm; hf in asynchronous mode): truncated importance sampling"),
     StepField("prompt_len", SAMPLE, "int", ("rollout",), "prompt tokens (chat template included)"),
-    StepField("response_len", SAMPLE, "int", ("rollout",), "generated tokens"),
+    StepField("response_len", SAMPLE, "int", ("rollout",),
+              "tokens after the prompt (prompt_len + response_len is the sample's length): the model's "
+              "tokens plus, in a multi-turn response, the tool tokens; the model's own are sum(response_mask)"),
+    StepField("env_reward", SAMPLE, "float", ("rollout",),
+              "multi-turn with an environment: the rewards its steps returned, summed"),
     StepField("policy_version", SAMPLE, "int", ("rollout",),
               "asynchronous mode: optimizer steps the generating weights had taken (distflow.pools)"),
     StepField("group_index", SAMPLE, "int", ("rollout",),
               "the prompt's id in the run (step * trainBatchSize + i); the rollout.n samples of a prompt share it"),
     StepField("origin_rank", SAMPLE, "int", (), "the rank that generated the sample (data coordinator)"),
     StepField("origin_index", SAMPLE, "int", (), "the sample's position on that rank (data coordinator)"),
-    StepField("token_level_scores", TOKEN, "float", ("reward",), "the outcome score on the last response token"),
+    StepField("token_level_scores", TOKEN, "float", ("reward",),
+              "the outcome score on the last response_mask 1 token (the model's last)"),
     StepField("scores", SAMPLE, "float", ("reward",), "the outcome score of each response"),
     StepField("token_level_rewards", TOKEN, "float", ("reward_shaping",),
               "token_level_scores + overlong penalty - beta * KL; the advantage reads it when present"),

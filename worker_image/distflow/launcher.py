@@ -19,7 +19,7 @@ from pathlib import Path
 
 from distflow.checkpoint_origin import check_resume
 from distflow.errors import DistflowConfigError, UserFunctionError
-from distflow.preflight import preflight
+from distflow.preflight import check_prompt_lengths, preflight
 from distflow.progress import StepLinePrinter, progress_printer
 from distflow.resize import EXIT_RESIZE, RESIZE_KEY, StoppedForResize
 from distflow.spec import JobSpec
@@ -47,6 +47,17 @@ def resolve_model_dir(spec: JobSpec) -> str:
         return str(resolve_model(spec.model.path, model_cache_dir()))
     except (ValueError, FileNotFoundError) as err:
         raise DistflowConfigError(f"spec.model.path: {err}") from None
+
+
+def check_against_model(spec: JobSpec, model_dir: str) -> None:
+    """What can be checked once the model is on disk, before any worker starts: the data's
+    prompts against ``data.maxPromptLength`` and the rollout engine against the model.
+
+    Raises:
+        DistflowConfigError: naming the field and the fix.
+    """
+    check_prompt_lengths(spec, model_dir)
+    check_rollout_engine(spec, model_dir)
 
 
 def check_rollout_engine(spec: JobSpec, model_dir: str) -> None:
@@ -179,7 +190,7 @@ def launch_local(spec: JobSpec, job_name: str, resume: bool = True, progress: bo
     preflight(spec)
     check_local_devices(spec, torch.cuda.device_count() if torch.cuda.is_available() else 0)
     model_dir = resolve_model_dir(spec)  # a bad model path fails here, before the previous run is moved
-    check_rollout_engine(spec, model_dir)
+    check_against_model(spec, model_dir)
     if not resume or spec.checkpoint.resume == "never":
         set_aside_previous_run(spec)
     else:
@@ -276,7 +287,7 @@ def launch_node(spec: JobSpec, job_name: str, environ=os.environ, spec_dir: str 
     preflight(spec)
     check_node_devices(spec, torch.cuda.device_count() if torch.cuda.is_available() else 0)
     model_dir = resolve_model_dir(spec)
-    check_rollout_engine(spec, model_dir)
+    check_against_model(spec, model_dir)
     check_resume(spec, model_dir)
     port = int(environ.get("DISTFLOW_METRICS_PORT", spec.trainer.metrics_port or 0))
     base = WorkerEnv(rank=node_rank * nproc, world_size=nnodes * nproc, local_rank=0,

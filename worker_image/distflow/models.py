@@ -273,6 +273,28 @@ def resolve_model(source: str, cache_dir: str | os.PathLike) -> Path:
     return _download_hub_model(source, cache_dir)
 
 
+def resolved_model_dir(source: str, cache_dir: str | os.PathLike) -> Path | None:
+    """The local directory ``resolve_model`` would return, when it exists already (a local
+    directory, a GGUF converted before, a tiny model built before); None when getting it
+    would convert, build or download (or ``model.path`` is invalid)."""
+    if model_source_problem(source):
+        return None
+    path = Path(source)
+    if path.is_dir():
+        return path
+    if source == "smollm2" or source.startswith("gguf:"):
+        found = gguf_cache_dir(find_gguf(SMOLLM2_PACKAGE if source == "smollm2" else source.removeprefix("gguf:")),
+                               cache_dir)
+    elif source == "tiny" or source.startswith("tiny:"):
+        kind = source.partition(":")[2] or "auto"
+        if kind == "auto":
+            kind = "smollm2" if importlib.util.find_spec(SMOLLM2_PACKAGE) else "byte"
+        found = Path(cache_dir) / "models" / f"tiny-llama-{kind}"
+    else:
+        return None
+    return found if (found / "config.json").is_file() else None
+
+
 def model_source_problem(source: str) -> str | None:
     """Why ``resolve_model`` would reject ``model.path``, found without converting, building or
     downloading anything (None: no problem found; a hub id can only be checked by downloading)."""

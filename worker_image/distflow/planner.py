@@ -117,10 +117,12 @@ class Plan:
             lines.append(f"layout {lay.name:8s} dp={lay.dp_size} tp={lay.tp_size} "
                          f"balanced={'yes' if lay.balanced else 'no'}{where}")
         lines.append("task chain:")
+        widths = [max(len(getattr(n, key)) for n in self.chain) for key in ("id", "role", "kind", "placement")]
+        number = len(str(len(self.chain) - 1))
         for i, n in enumerate(self.chain):
             deps = ", ".join(n.deps) or "-"
-            lines.append(f"  {i}. {n.id:14s} role={n.role:12s} kind={n.kind:9s} "
-                         f"placement={n.placement:8s} deps={deps}")
+            lines.append(f"  {i:>{number}}. {n.id:{widths[0]}s} role={n.role:{widths[1]}s} "
+                         f"kind={n.kind:{widths[2]}s} placement={n.placement:{widths[3]}s} deps={deps}")
         lines.append("edges:")
         placement = {n.id: n.placement for n in self.chain}
         for e in self.edges:

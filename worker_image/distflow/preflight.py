@@ -3,7 +3,10 @@
 ``distflow validate`` runs it, and so does every launcher (local, env, ray)
 before it starts a worker: the plan, the model source, the data files (they
 exist, and their first record reads as a prompt), and the user's functions
-(the reward function and custom workflow nodes' functions are imported).
+(the reward function, custom workflow nodes' functions and the multi-turn
+tools and environment are imported). Once the model is on disk,
+:func:`prompt_length_problems` renders the first prompt of each dataset with
+its tokenizer and checks it against ``data.maxPromptLength``.
 Each problem is a :class:`DistflowConfigError` naming the field and the fix.
 """
 
@@ -57,8 +60,10 @@ def data_problems(spec: JobSpec):
 
 
 def function_problems(spec: JobSpec):
-    """``spec.data.rewardFn`` / ``spec.workflow.nodes[i].function``: each user function that
+    """``spec.data.rewardFn`` / ``spec.workflow.nodes[i].function`` / ``spec.rollout.multiTurn``'s
+    tools and environment: each user function that
     does not import (imported here, so a typo fails now rather than in every worker)."""
+    from distflow.multiturn.loading import multi_turn_problems
     from distflow.rewards import load_reward_fn
     from distflow.user_functions import load_user_function
 
@@ -73,3 +78,57 @@ def function_problems(spec: JobSpec):
                 load_user_function(node.function, f"workflow node {node.id!r} function")
             except ValueError as err:
                 yield f"spec.workflow.nodes[{i}].function: {err}"
+    yield from multi_turn_problems(spec.rollout.multi_turn)
+
+
+def prompt_length_problems(spec: JobSpec, model_dir: str | Path):
+    """``spec.data.maxPromptLength: ...`` when it is too short for the data, judged from each
+    dataset's first record rendered as the rollout renders it: the model's chat template, with
+    ``data.systemPrompt`` and the tools of ``rollout.multiTurn`` when set.
+
+    Two cases fail before any worker starts: the template alone (an empty user message) takes
+    ``maxPromptLength`` tokens or more, so no prompt can fit whatever ``data.truncation`` says;
+    or ``data.truncation: error`` and the first record is longer (the workers would scan every
+    prompt and stop on the same error minutes later). With ``filter`` or ``left`` an over-long
+    first record is not an error: the workers drop or cut such prompts and say how many.
+    """
+    from distflow.data.records import PromptRecord
+    from distflow.data.sources import dataset_source
+    from distflow.models import load_tokenizer
+    from distflow.stages.rollout import prompt_length
+
+    data = spec.data
+    length_of = prompt_length(load_tokenizer(model_dir), spec)
+    blank = PromptRecord(uid="blank", messages=({"role": "user", "content": ""},), ground_truth="", data_source="")
+    empty = length_of(blank)
+    if empty >= data.max_prompt_length:
+        extras = [name for name, on in (("data.systemPrompt", data.system_prompt),
+                                        ("the tools of rollout.multiTurn", spec.rollout.multi_turn.enable)) if on]
+        yield (f"spec.data.maxPromptLength: {data.max_prompt_length} tokens, but the chat template "
+               f"{'and ' + ' and '.join(extras) + ' alone take' if extras else 'alone takes'} {empty} tokens, so no prompt "
+               f"fits; raise data.maxPromptLength above {empty} plus the length of a question")
+        return
+    if data.truncation != "error":
+        return
+    for name, ds in (("train", data.train), ("eval", data.eval)):
+        if ds is None:
+            continue
+        source = dataset_source(ds)
+        if source.num_records == 0:
+            continue
+        length = length_of(source.read([0])[0])
+        if length > data.max_prompt_length:
+            yield (f"spec.data.maxPromptLength: {data.max_prompt_length} tokens, but the first prompt of "
+                   f"data.{name} renders to {length} tokens (chat template included) and data.truncation is "
+                   f"error; raise data.maxPromptLength to at least {length}, or set data.truncation: filter "
+                   "(drop over-long prompts) or left (keep their last tokens)")
+
+
+def check_prompt_lengths(spec: JobSpec, model_dir: str | Path) -> None:
+    """:func:`prompt_length_problems`, raised.
+
+    Raises:
+        DistflowConfigError: listing each problem.
+    """
+    if problems := list(prompt_length_problems(spec, model_dir)):
+        raise DistflowConfigError(problems)

@@ -159,11 +159,11 @@ class RayWorker:
 
     def prepare(self, spec: JobSpec) -> str:
         """A node's first worker: the model resolved on this Ray node (once per node, like a pod),
-        and the rollout engine checked against it. Returns the model directory."""
-        from distflow.launcher import check_rollout_engine, resolve_model_dir
+        and the prompts and the rollout engine checked against it. Returns the model directory."""
+        from distflow.launcher import check_against_model, resolve_model_dir
 
         model_dir = resolve_model_dir(spec)
-        check_rollout_engine(spec, model_dir)
+        check_against_model(spec, model_dir)
         return model_dir
 
     def run(self, spec: JobSpec, job_name: str, environ: dict[str, str], progress_queue=None):

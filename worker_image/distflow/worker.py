@@ -40,7 +40,7 @@ from distflow.engines import flex_masks, fsdp
 from distflow.engines.actor import Actor
 from distflow.engines.critic import build_critic
 from distflow.engines.loading import load_sharded_causal_lm, rollout_copy
-from distflow.engines.rollout import HfRollout, render_prompt, step_seed
+from distflow.engines.rollout import HfRollout, step_seed
 from distflow.exporter import NodeExporter
 from distflow.metrics import JsonlWriter, StepMetrics
 from distflow.models import DTYPES, load_tokenizer, model_cache_dir, resolve_model
@@ -49,7 +49,7 @@ from distflow.spec import JobSpec
 from distflow.spec.defaults import kv_cache_bytes_per_token, kv_cache_micro_batch_size, resolve_device_defaults
 from distflow.fields import check_stage_output
 from distflow.stages import STAGES, StageContext, StageModels, StageOutput, build_kl_controller
-from distflow.stages.rollout import generate_round, sampling_params
+from distflow.stages.rollout import generate_round, prompt_length, sampling_params
 from distflow.stages.scoring import score_responses
 
 
@@ -263,20 +263,30 @@ class DagWorker:
                                        self.plan.layouts[TRAIN].num_ranks, self.device)
 
     def _build_data(self) -> None:
-        spec = self.spec
         dp = self.plan.layouts[ROLLOUT].dp_size
+        self._load_train(dp, self.rollout_dp_rank)
+        self._load_eval(dp, self.rollout_dp_rank)
+
+    def _load_train(self, dp_size: int, dp_rank: int) -> None:
+        """The train prompts (over-long ones handled as data.truncation says) and the loader of
+        share ``dp_rank`` of ``dp_size``."""
+        spec = self.spec
         train = dataset_source(spec.data.train)
         fitted = self._fit_prompts(train, "data.train")
         self.num_filtered_prompts = train.num_records - fitted.num_records
-        self.loader = ShardedPromptLoader(fitted, spec.data.train_batch_size,
-                                          self.rollout_dp_rank, dp, seed=spec.data.seed,
-                                          shuffle=spec.data.shuffle)
-        # This rank's share of the eval set, and each record's index in the whole set.
+        self.loader = ShardedPromptLoader(fitted, spec.data.train_batch_size, dp_rank, dp_size,
+                                          seed=spec.data.seed, shuffle=spec.data.shuffle)
+
+    def _load_eval(self, num_shares: int, share: int | None) -> None:
+        """This rank's share of the eval set (records i with i mod ``num_shares`` == ``share``) and each
+        record's index in the whole set; ``share`` None: none, but the scan for over-long prompts,
+        a collective, is joined all the same."""
         self.eval_records, self.eval_indices = [], []
-        if spec.data.eval is not None:
-            source = self._fit_prompts(dataset_source(spec.data.eval), "data.eval")
-            n = source.num_records
-            self.eval_indices = [i for i in range(n) if i % dp == self.rollout_dp_rank]
+        if self.spec.data.eval is None:
+            return
+        source = self._fit_prompts(dataset_source(self.spec.data.eval), "data.eval")
+        if share is not None:
+            self.eval_indices = [i for i in range(source.num_records) if i % num_shares == share]
             self.eval_records = source.read(self.eval_indices)
 
     def _fit_prompts(self, source, field: str):
@@ -289,7 +299,7 @@ class DagWorker:
         if data.truncation == "left":
             return source
         mine = scan_share(source, self.rank, self.env.world_size, data.max_prompt_length,
-                          lambda record: len(render_prompt(self.tokenizer, record, data.system_prompt)))
+                          prompt_length(self.tokenizer, self.spec))
         everyone: list = [None] * self.env.world_size
         dist.all_gather_object(everyone, mine)  # small Python lists: the CPU backend carries them
         overlong = sorted((o for part in everyone for o in part), key=lambda o: o.index)

@@ -13,9 +13,13 @@ statistics locally. Estimators that whiten over the whole batch
 (reinforce_plus_plus, reinforce_plus_plus_baseline, gae) use ``reducer`` to
 sum their partial statistics across dp ranks; the others ignore it.
 
-Deliberately simplified: gae is the standard recursion for contiguous
-(right-padded) response masks; verl's newer variant that skips masked
-positions inside a multi-turn response is not implemented.
+Multi-turn responses: ``response_mask`` is 1 only on the model's own
+tokens; tool outputs and chat-template tokens between turns are 0. Outcome
+advantages (grpo, drgrpo, rloo, reinforce_plus_plus_baseline) are broadcast
+over the 1s only; gae and reinforce_plus_plus run their recursions over the
+model's tokens only, skipping the 0s (verl's multi-turn GAE). On a
+single-turn response (one run of 1s) nothing is skipped and the results
+are the standard ones.
 """
 
 from __future__ import annotations
@@ -36,9 +40,9 @@ class AdvantageInputs:
     """What an advantage estimator reads, for one batch of B responses of T tokens."""
 
     token_level_rewards: Tensor
-    """[B, T] reward placed on tokens (an outcome reward sits on the last response token)."""
+    """[B, T] reward placed on tokens (an outcome reward sits on the model's last token)."""
     response_mask: Tensor
-    """[B, T] 1 on generated tokens, 0 on padding."""
+    """[B, T] 1 on the model's own tokens; 0 on padding, prompt and a multi-turn response's tool tokens."""
     group_index: Tensor
     """[B] int64 id of the prompt group each sample belongs to."""
     values: Tensor | None = None
@@ -109,7 +113,7 @@ def _group_stats(scores: Tensor, group_index: Tensor) -> tuple[Tensor, Tensor, T
 
 
 def _broadcast(per_sequence: Tensor, response_mask: Tensor) -> Tensor:
-    """[B] -> [B, T], zero outside the response."""
+    """[B] -> [B, T] on the model's tokens, zero elsewhere (tool tokens included)."""
     return per_sequence.unsqueeze(-1) * response_mask.to(per_sequence.dtype)
 
 
@@ -171,14 +175,17 @@ def rloo_advantages(
 
 
 def _discounted_returns(rewards: Tensor, response_mask: Tensor, gamma: float) -> Tensor:
-    """[B, T] G_t = r_t + gamma * G_{t+1}, restarted after each masked position."""
-    mask = response_mask.to(rewards.dtype)
+    """[B, T] G_t = r_t + gamma * G_{t'} over the model's tokens, t' the next one with mask 1.
+
+    Mask-0 positions (padding, a multi-turn response's tool tokens) are skipped: their reward
+    is ignored, they are not discounted over, and they hold the return of the next model token.
+    """
+    mask = response_mask.bool()
     returns = torch.empty_like(rewards)
     running = torch.zeros_like(rewards[:, 0])
     for t in reversed(range(rewards.shape[1])):
-        running = rewards[:, t] + gamma * running
+        running = torch.where(mask[:, t], rewards[:, t] + gamma * running, running)
         returns[:, t] = running
-        running = running * mask[:, t]
     return returns
 
 
@@ -230,12 +237,17 @@ def reinforce_plus_plus_baseline_advantages(
 def gae_advantages(
     inputs: AdvantageInputs, params: AdvantageParams, reducer: Reducer | None = None
 ) -> tuple[Tensor, Tensor]:
-    """Generalized Advantage Estimation (Schulman et al. 2016).
+    """Generalized Advantage Estimation (Schulman et al. 2016) over the model's tokens.
 
-    delta_t = r_t + gamma * V_{t+1} - V_t and A_t = delta_t + gamma * lam * A_{t+1},
-    with V = 0 past the end of the response (values are masked first, so a
-    right-padded batch bootstraps from 0 at its last token). Returns are
-    A + V before whitening; advantages are then whitened over the global batch.
+    delta_t = r_t + gamma * V_{t'} - V_t and A_t = delta_t + gamma * lam * A_{t'}, where t' is
+    the next position with ``response_mask`` 1, and V_{t'} = A_{t'} = 0 past the last one.
+    Mask-0 positions inside a multi-turn response (tool outputs, chat template) are skipped:
+    their rewards and values are ignored, so the model token before a tool segment bootstraps
+    from the value of the first model token after it, undiscounted by the segment's length.
+    This is verl's ``compute_gae_advantage_return`` since its multi-turn change ("skip values
+    and TD-error on observation tokens", verl/trainer/ppo/core_algos.py). On a single-turn
+    response nothing is skipped: the standard recursion. Returns are A + V before
+    whitening; advantages are then whitened over the global batch's model tokens.
 
     Args:
         inputs: needs ``values`` [B, T].
@@ -250,16 +262,19 @@ def gae_advantages(
     if inputs.values is None:
         raise ValueError("AdvantageInputs.values: gae needs critic values [B, T]; pass the critic's values")
     rewards = inputs.token_level_rewards
+    on_model = inputs.response_mask.bool()
     mask = inputs.response_mask.to(rewards.dtype)
-    values = inputs.values.to(rewards.dtype) * mask
+    values = torch.where(on_model, inputs.values.to(rewards.dtype), 0.0)
     advantages = torch.empty_like(rewards)
     next_value = torch.zeros_like(rewards[:, 0])
     last_advantage = torch.zeros_like(rewards[:, 0])
     for t in reversed(range(rewards.shape[1])):
         delta = rewards[:, t] + params.gamma * next_value - values[:, t]
-        last_advantage = delta + params.gamma * params.lam * last_advantage
+        # A mask-0 position passes the next model token's value and advantage on unchanged.
+        last_advantage = torch.where(on_model[:, t], delta + params.gamma * params.lam * last_advantage,
+                                     last_advantage)
         advantages[:, t] = last_advantage
-        next_value = values[:, t]
+        next_value = torch.where(on_model[:, t], values[:, t], next_value)
     returns = advantages + values
     return masked_whiten(advantages, mask, reducer) * mask, returns
 

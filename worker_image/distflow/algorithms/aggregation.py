@@ -33,14 +33,16 @@ _WHITEN_EPS = 1e-8
 
 
 def masked_sum(values: Tensor, mask: Tensor, dim: int | None = None) -> Tensor:
-    """Sum of ``values`` where ``mask`` is 1.
+    """Sum of ``values`` where ``mask`` is 1; what ``values`` holds where it is 0 (even inf or NaN) never counts.
 
     Args:
         values: any shape, e.g. [B, T].
         mask: same shape, 0/1 (bool, int or float).
         dim: reduce this dimension only; all of them when None.
     """
-    masked = values * mask.to(values.dtype)
+    # where, not values * mask: inf * 0 is NaN, and masked positions (a multi-turn response's
+    # tool tokens, padding) may hold anything.
+    masked = torch.where(mask.bool(), values, torch.zeros((), dtype=values.dtype, device=values.device))
     return masked.sum() if dim is None else masked.sum(dim=dim)
 
 
@@ -143,7 +145,8 @@ class LossNormalizer:
     """Sizes of the whole global (mini-)batch that one optimizer step sees, over all dp ranks."""
 
     global_num_tokens: float
-    """Response tokens (sum of response_mask) in the global batch."""
+    """The model's own response tokens (sum of response_mask; a multi-turn sample's tool tokens
+    excluded) in the global batch."""
     global_num_seqs: float
     """Sequences in the global batch."""
     max_response_length: int
@@ -176,8 +179,9 @@ def aggregate_loss(loss_mat: Tensor, response_mask: Tensor, mode: str, normalize
     loss by the dp size.
 
     Args:
-        loss_mat: [B, T] per-token loss.
-        response_mask: [B, T] 1 on generated tokens.
+        loss_mat: [B, T] per-token loss; what it holds where the mask is 0 never counts.
+        response_mask: [B, T] 1 on the model's own tokens: a token-mean of a multi-turn response
+            is over its model tokens, tool tokens (mask 0) neither add loss nor count.
         mode: one of ``LOSS_AGG_MODES``.
         normalizer: sizes of the global batch.
 

@@ -150,7 +150,8 @@ def apply_kl_penalty(
         token_level_scores: [B, T] task reward on tokens.
         log_probs: [B, T] actor (rollout-time) log-probs.
         ref_log_probs: [B, T] reference log-probs.
-        response_mask: [B, T] 1 on generated tokens.
+        response_mask: [B, T] 1 on the model's own tokens; a multi-turn response's tool tokens (0)
+            get no penalty and do not count in mean_kl.
         kl_coef: penalty weight, e.g. a controller's ``value``.
         estimator: a name in ``KL_ESTIMATORS``.
 
@@ -162,7 +163,8 @@ def apply_kl_penalty(
     Raises:
         ValueError: unknown ``estimator``.
     """
-    kl = get_kl_estimator(estimator)(log_probs, ref_log_probs) * response_mask.to(log_probs.dtype)
+    # where, not * mask: the log-probs of mask-0 tokens (a multi-turn response's tool tokens) may be anything.
+    kl = torch.where(response_mask.bool(), get_kl_estimator(estimator)(log_probs, ref_log_probs), 0.0)
     rewards = token_level_scores - kl_coef * kl
     mean_kl = masked_mean(kl, response_mask, dim=-1).mean()
     return rewards, mean_kl

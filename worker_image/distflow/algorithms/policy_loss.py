@@ -7,6 +7,8 @@ Every loss has one signature::
 
 and returns the per-token loss matrix unreduced: the trainer reduces it
 with ``aggregate_loss`` so that micro-batches and dp ranks add up exactly.
+Only ``response_mask`` 1 tokens (the model's own) count, in the loss and in
+the metrics; a multi-turn response's tool tokens may hold any log-probs.
 Semantics follow verl's ``compute_policy_loss_vanilla`` / ``_gspo``.
 """
 
@@ -81,7 +83,7 @@ def vanilla_policy_loss(
         old_log_probs: [B, T] log-probs of the behaviour policy (no grad).
         log_probs: [B, T] log-probs of the current policy (grad flows here).
         advantages: [B, T].
-        response_mask: [B, T] 1 on generated tokens.
+        response_mask: [B, T] 1 on the model's own tokens (0 on padding and tool tokens).
         params: clip ranges.
 
     Returns:
@@ -120,7 +122,7 @@ def gspo_policy_loss(
         old_log_probs: [B, T] log-probs of the behaviour policy (no grad).
         log_probs: [B, T] log-probs of the current policy (grad flows here).
         advantages: [B, T].
-        response_mask: [B, T] 1 on generated tokens.
+        response_mask: [B, T] 1 on the model's own tokens (0 on padding and tool tokens).
         params: clip ranges (clip_ratio_c unused).
 
     Returns:

@@ -19,7 +19,9 @@ def overlong_penalty(
     the penalty ramps linearly from 0 to -penalty_factor over the last C tokens.
 
     Args:
-        response_lengths: [B] response tokens per sample (EOS included).
+        response_lengths: [B] response tokens per sample (EOS included). For a multi-turn
+            response the scoring stage passes the model's own tokens (the sum of its
+            ``response_mask``): tool outputs are not the model's verbosity.
         max_response_length: L, tokens.
         buffer_length: C, tokens, 1 <= C <= L.
         penalty_factor: the penalty at |y| >= L.

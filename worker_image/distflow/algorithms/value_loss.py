@@ -20,7 +20,7 @@ def clipped_value_loss(
         values: [B, T] current critic predictions (grad flows here).
         old_values: [B, T] critic predictions at rollout time.
         returns: [B, T] targets R.
-        response_mask: [B, T] 1 on generated tokens.
+        response_mask: [B, T] 1 on the model's own tokens (0 on padding and tool tokens).
         cliprange_value: c, in reward units.
 
     Returns:
@@ -49,7 +49,7 @@ def explained_variance(
     Args:
         values: [B, T] critic predictions V.
         returns: [B, T] targets R.
-        response_mask: [B, T] 1 on generated tokens.
+        response_mask: [B, T] 1 on the model's own tokens (0 on padding and tool tokens).
         reducer: sums a [5] vector of partial stats across dp ranks; None for this batch only.
 
     Returns:

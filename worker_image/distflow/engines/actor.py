@@ -60,7 +60,9 @@ class Actor:
         return cls(spec, model, opt, pad_token_id, dp_size, device)
 
     def _global_counts(self, batch: PackedBatch) -> LossNormalizer:
-        tokens = float(batch.sample_fields["response_len"].sum())
+        """Sizes of the global mini-batch: the model's own tokens (``response_mask`` 1s, not a multi-turn
+        sample's tool tokens) and the sequences, summed over the dp ranks."""
+        tokens = float(batch.token_fields["response_mask"].sum())
         sums = fsdp.all_reduce_sum(torch.tensor([tokens, float(batch.num_samples)], device=self.device), self.device)
         return LossNormalizer(global_num_tokens=max(float(sums[0]), 1.0),
                               global_num_seqs=max(float(sums[1]), 1.0),
@@ -108,7 +110,7 @@ class Actor:
         if "rollout_log_probs" not in mb.source.token_fields:
             return pg_losses, {}
         rollout = model_ops.window_field(mb, "rollout_log_probs").to(old.device)
-        diff = (old - rollout).abs() * mask
+        diff = torch.where(mask.bool(), (old - rollout).abs(), 0.0)
         stats = {"rollout/actor_logp_diff/mean": diff.sum() / mask.sum().clamp(min=1),
                  "rollout/actor_logp_diff/max": diff.max()}
         cap = self.spec.rollout.tis_imp_ratio_cap

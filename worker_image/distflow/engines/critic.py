@@ -134,7 +134,8 @@ class Critic:
 
     def _optimizer_step(self, part: PackedBatch, metrics, num_steps: int) -> None:
         c = self.spec.critic
-        sums = self._global_sum(torch.tensor([float(part.sample_fields["response_len"].sum()),
+        # The model's own tokens: a multi-turn sample's tool tokens (response_mask 0) are not fitted.
+        sums = self._global_sum(torch.tensor([float(part.token_fields["response_mask"].sum()),
                                               float(part.num_samples)], dtype=torch.float64, device=self.device))
         norm = LossNormalizer(global_num_tokens=max(float(sums[0]), 1.0), global_num_seqs=max(float(sums[1]), 1.0),
                               max_response_length=self.spec.data.max_response_length)

@@ -136,7 +136,7 @@ class MicroBatch:
     position_ids: torch.Tensor
     """[b, L] positions counted from each row's first real token (as in generation)."""
     response_mask: torch.Tensor
-    """[b, R] float, 1 on generated tokens in the response window."""
+    """[b, R] float, 1 on the model's own tokens in the response window (0 on a multi-turn response's tool tokens)."""
     source: PackedBatch
     """The packed samples this micro-batch came from."""
     prefix_rows: PrefixRows | None = None

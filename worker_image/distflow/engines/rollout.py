@@ -6,7 +6,8 @@ Each rollout dp rank generates the groups of the prompts it read itself; the
 fields span prompt + response:
 
 - ``input_ids``      [T_total] int64
-- ``response_mask``  [T_total] int8, 1 on generated tokens (EOS included)
+- ``response_mask``  [T_total] int8, 1 on generated tokens (EOS included): the model's own
+  tokens; a multi-turn response also holds tool tokens, with mask 0 (``distflow.fields``)
 
 and whose sample fields are ``prompt_len``, ``response_len``, ``group_index``
 (global prompt index in the step) [B] int64.
@@ -27,8 +28,10 @@ the group before ``generate`` continues from it (see ``_shared_prefill``).
 
 from __future__ import annotations
 
+import functools
 import inspect
 import logging
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import numpy as np
@@ -36,6 +39,7 @@ import torch
 
 from distflow import process_group
 from distflow.data.batch import PackedBatch
+from distflow.data.model_tokens import last_model_token
 
 
 @dataclass(frozen=True)
@@ -170,7 +174,7 @@ class _PerSampleSampler:
 
 @torch.no_grad()
 def generate(model, tokenizer, prompts: list[list[int]], group_index: list[int],
-             params: SamplingParams, seed: int, device: torch.device) -> PackedBatch:
+             params: SamplingParams, seed: int, device: torch.device, independent: bool = False) -> PackedBatch:
     """Sample ``params.n`` responses per prompt; a response ends at any of ``eos_token_ids``.
 
     Args:
@@ -178,6 +182,8 @@ def generate(model, tokenizer, prompts: list[list[int]], group_index: list[int],
         group_index: the global index of each prompt in the step.
         seed: the step's seed (``step_seed``), the same on every rank; response ``j`` of
             prompt ``group_index[i]`` samples from ``sample_seed(seed, group_index[i], j)``.
+        independent: the ranks call this a different number of times (multi-turn rounds), on
+            weights gathered for the whole session: no per-token sync with the other ranks.
     Returns:
         PackedBatch of len(prompts) * n samples, the n of a prompt adjacent.
     """
@@ -188,7 +194,7 @@ def generate(model, tokenizer, prompts: list[list[int]], group_index: list[int],
     pad_id = tokenizer.pad_token_id
     eos_ids = eos_token_ids(model, tokenizer)
     kwargs = dict(max_new_tokens=params.max_new_tokens, pad_token_id=pad_id, eos_token_id=eos_ids, do_sample=False)
-    if process_group.pool_group() is not None:
+    if independent or process_group.pool_group() is not None:
         # transformers keeps the ranks of an FSDP model in step with an all-reduce over the WORLD
         # group at every token; with pools (distflow.pools) only this pool generates, on weights
         # gathered for the whole call (RolloutWeights), so no rank needs the others.
@@ -365,19 +371,32 @@ class HfRollout:
         with self.weights.policy(metrics) as model:
             return generate(model, self.tokenizer, prompts, group_index, params, seed, self.device)
 
+    @contextmanager
+    def session(self, metrics=None):
+        """Weights held for several ``generate`` calls that no other rank joins (a multi-turn
+        round: each rank runs as many turns as its own samples need). Entered on every rank
+        together (it all-gathers shared weights); yields ``(generate_fn, end_ids)``, with
+        ``generate_fn(prompts, group_index, params, seed) -> PackedBatch``."""
+        with self.weights.policy(metrics) as model:
+            yield (functools.partial(generate, model, self.tokenizer, device=self.device, independent=True),
+                   eos_token_ids(model, self.tokenizer))
+
     def sync(self, actor_model=None) -> int:
         """Refresh a separate copy from the actor it was built with; bytes all-gathered."""
         return self.weights.sync()
 
 
 def response_texts(tokenizer, batch: PackedBatch) -> list[str]:
-    """Decoded responses (special tokens dropped), in batch order."""
-    # one device-to-host read of the two fields, not one sync per sample
+    """Decoded responses (special tokens dropped), in batch order: each sample's tokens after its
+    ``prompt_len`` up to its last model token, so a multi-turn response reads as its trajectory,
+    tool outputs between the model's turns included (as verl's reward managers decode it), not as
+    the model's turns glued together; a tool output the budget cut off after the model's last
+    turn is not part of it (the model never answered from it, so it cannot earn the reward)."""
+    # one device-to-host read of the fields, not one sync per sample
     ids = batch.token_fields["input_ids"].cpu()
-    mask = batch.token_fields["response_mask"].cpu().bool()
+    prompt_lens = batch.sample_fields["prompt_len"].tolist()
     offsets = batch.cu_seqlens(dtype=torch.long).tolist()
-    out = []
-    for b in range(batch.num_samples):
-        seg = ids[offsets[b]:offsets[b + 1]][mask[offsets[b]:offsets[b + 1]]]
-        out.append(tokenizer.decode(seg.tolist(), skip_special_tokens=True))
-    return out
+    ends = (last_model_token(batch).cpu() + 1).tolist()
+    return [tokenizer.decode(ids[offsets[b] + prompt_lens[b]:max(ends[b], offsets[b] + prompt_lens[b])].tolist(),
+                             skip_special_tokens=True)
+            for b in range(batch.num_samples)]

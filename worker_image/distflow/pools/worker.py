@@ -36,8 +36,6 @@ import torch.distributed as dist
 
 from distflow import chaos, checkpoint, process_group, sample_ids
 from distflow.data.batch import PackedBatch
-from distflow.data.loader import ShardedPromptLoader
-from distflow.data.sources import dataset_source
 from distflow.engines import flex_masks, fsdp
 from distflow.engines.actor import Actor
 from distflow.engines.loading import load_sharded_causal_lm, rollout_replica
@@ -118,24 +116,11 @@ class PoolWorker(DagWorker):
         """Optimizer steps of the weights this rank generates with (rollout) or trains (trainer)."""
 
     def _build_data(self) -> None:
-        spec = self.spec
-        dp = self.rollout_layout.dp_size
-        train = dataset_source(spec.data.train)
-        fitted = self._fit_prompts(train, "data.train")
-        self.num_filtered_prompts = train.num_records - fitted.num_records
         # Trainer ranks read the stream too (a rollout rank's share, in step with what they train):
         # the checkpoint's loader state and the trained record ids come from them.
         self.rollout_dp_rank = self.rollout_layout.dp_rank(self.rank) if not self.trains else 0
-        self.loader = ShardedPromptLoader(fitted, spec.data.train_batch_size, self.rollout_dp_rank, dp,
-                                          seed=spec.data.seed, shuffle=spec.data.shuffle)
-        self.eval_records, self.eval_indices = [], []
-        if spec.data.eval is not None and self.trains:
-            source = self._fit_prompts(dataset_source(spec.data.eval), "data.eval")
-            trainers = self.train_layout.num_ranks
-            self.eval_indices = [i for i in range(source.num_records) if i % trainers == self.rank]
-            self.eval_records = source.read(self.eval_indices)
-        elif spec.data.eval is not None:
-            self._fit_prompts(dataset_source(spec.data.eval), "data.eval")  # collective: every rank scans a share
+        self._load_train(self.rollout_layout.dp_size, self.rollout_dp_rank)
+        self._load_eval(self.train_layout.num_ranks, self.rank if self.trains else None)
 
     # ---- one iteration ---------------------------------------------------------------------
 

@@ -7,6 +7,7 @@ it. It imports pydantic and yaml only (never torch, kopf or kubernetes).
     names (distflow.names)  the algorithm, reward, workflow and role names, shared with the runtime
     base                    SpecBase: camelCase aliases, unknown fields rejected, frozen
     models                  the sections (ModelSpec ... JobSpec) with per-field bounds
+    multiturn               rollout.multiTurn: tools (OpenAI tool format) and environments, checked by name
     pod, ray                the operator's sections (scheduling, template) and the Ray launcher's
     validation              checks across fields (sizes that divide, choices that agree)
     defaults                the device-dependent defaults (bf16, TF32, HSDP, KV-sized rollout batches) on the worker
@@ -69,6 +70,7 @@ from distflow.spec.models import (
     WorkflowNodeSpec,
     WorkflowSpec,
 )
+from distflow.spec.multiturn import MultiTurnSpec, ToolSpec
 from distflow.spec.pod import PodTemplateSpec, PvcVolumeSpec, SchedulingSpec, SecurityContextSpec, TopologySpreadSpec
 from distflow.spec.pools import AsyncSpec, RolloutPoolSpec
 from distflow.spec.ray import RaySpec
@@ -79,6 +81,7 @@ __all__ = [
     "NODE_ROLES", "POLICY_LOSSES", "SPEC_SCHEMA_VERSION", "TINY_TOKENIZERS", "WORKFLOW_DEFAULTS",
     "ActorSpec", "AlgorithmSpec", "CheckpointSpec", "ClusterSpec", "CriticSpec", "DataPlaneSpec", "DataSpec",
     "DatasetSpec", "ExitCodeRule", "FilterGroupsSpec", "JobSpec", "KLControlSpec", "ModelSpec",
+    "MultiTurnSpec", "ToolSpec",
     "AsyncSpec", "OverlongBufferSpec", "PodTemplateSpec", "PvcVolumeSpec", "RaySpec", "RolloutPoolSpec", "RolloutSpec", "RunPolicySpec",
     "SchedulingSpec", "SecurityContextSpec", "SpecBase", "TopologySpreadSpec", "TrainerSpec",
     "ValSamplingSpec", "WorkflowNodeSpec", "WorkflowSpec",

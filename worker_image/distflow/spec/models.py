@@ -16,6 +16,7 @@ from pydantic.alias_generators import to_snake
 
 from distflow.names import ADVANTAGE_ESTIMATORS, KL_ESTIMATORS, LOSS_AGG_MODES, POLICY_LOSSES
 from distflow.spec.base import SpecBase
+from distflow.spec.multiturn import MultiTurnSpec
 from distflow.spec.pod import PodTemplateSpec, SchedulingSpec
 from distflow.spec.pools import AsyncSpec
 from distflow.spec.ray import RaySpec
@@ -165,6 +166,8 @@ class RolloutSpec(SpecBase):
     per parameter in float32) and the per-update sync; the responses are the same."""
     val: ValSamplingSpec = ValSamplingSpec()
     """Sampling for the held-out set (`data.eval`); greedy by default."""
+    multi_turn: MultiTurnSpec = Field(default_factory=MultiTurnSpec)
+    """Trajectories of several turns with tools or an environment (off by default)."""
 
 
 class KLControlSpec(SpecBase):

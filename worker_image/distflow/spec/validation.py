@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from distflow.names import ARITHMETIC_SPLITS, BUILTIN_REWARDS, GROUP_ESTIMATORS, TINY_TOKENIZERS
+from distflow.spec.multiturn import tool_problems
 
 if TYPE_CHECKING:
     from distflow.spec.models import JobSpec
@@ -78,6 +79,7 @@ def size_problems(spec: JobSpec):
         yield ("rollout.tisImpRatioCap: only the vllm engine records rollout log-probs to correct with; "
                "unset it or use rollout.engine: vllm")
     yield from _algorithm_problems(spec)
+    yield from _multi_turn_problems(spec)
     yield from _source_problems(spec)
     yield from _device_problems(spec)
     estimator = spec.algorithm.advantage_estimator
@@ -108,6 +110,19 @@ def _pool_problems(spec: JobSpec):
     if spec.async_.off_policy_correction == "tis" and spec.rollout.tis_imp_ratio_cap is not None:
         yield ("rollout.tisImpRatioCap: the asynchronous mode's correction has its own cap (async.tisCap); "
                "unset rollout.tisImpRatioCap")
+
+
+def _multi_turn_problems(spec: JobSpec):
+    """What ``rollout.multiTurn`` does not combine with yet."""
+    turns = spec.rollout.multi_turn
+    yield from tool_problems(turns)
+    if turns.enable and spec.rollout.engine != "hf":
+        yield ("rollout.multiTurn.enable: multi-turn rollouts generate with the hf engine for now; set "
+               "rollout.engine: hf or rollout.multiTurn.enable: false")
+    per_turn = turns.max_tokens_per_turn
+    if turns.enable and per_turn is not None and per_turn > spec.data.max_response_length:
+        yield (f"rollout.multiTurn.maxTokensPerTurn: {per_turn} tokens exceed the budget of all turns, "
+               f"data.maxResponseLength={spec.data.max_response_length}; use at most that, or raise it")
 
 
 def _source_problems(spec: JobSpec):

@@ -10,14 +10,18 @@ neither the world size nor on which rank generated them.
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
 from distflow.data.batch import PackedBatch
+from distflow.data.model_tokens import model_token_counts
 from distflow.data.records import PromptRecord
-from distflow.engines.rollout import SamplingParams, render_prompts, step_seed
+from distflow.engines.rollout import SamplingParams, render_prompt, render_prompts, step_seed
 from distflow.metrics import StepMetrics
+from distflow.multiturn.loading import tool_schemas
+from distflow.multiturn.render import render_tool_prompt
+from distflow.multiturn.rollout import generate_multi_turn
 from distflow.planner import PlannedNode
 from distflow.spec import JobSpec
 from distflow.stages.context import StageContext, StageOutput
@@ -33,9 +37,20 @@ def sampling_params(spec: JobSpec, held_out: bool = False) -> SamplingParams:
                           record_log_probs=stale and not held_out)
 
 
+def prompt_length(tokenizer, spec: JobSpec) -> Callable[[PromptRecord], int]:
+    """Tokens of a record's prompt as the rollout renders it (with ``rollout.multiTurn``, the tools
+    shown too): what ``data.truncation`` holds to ``data.maxPromptLength``."""
+    system = spec.data.system_prompt
+    if spec.rollout.multi_turn.enable:
+        schemas = tool_schemas(spec.rollout.multi_turn)
+        return lambda record: len(render_tool_prompt(tokenizer, record, system, schemas))
+    return lambda record: len(render_prompt(tokenizer, record, system))
+
+
 def generate_round(rollout, tokenizer, spec: JobSpec, records: Sequence[PromptRecord], group_index: list[int],
                    params: SamplingParams, seed: int, metrics: StepMetrics | None = None) -> PackedBatch:
-    """Responses to ``records``: len(records) * params.n samples, the n of a prompt adjacent.
+    """Responses to ``records``: len(records) * params.n samples, the n of a prompt adjacent;
+    with ``rollout.multiTurn`` trajectories of several turns (``distflow.multiturn``).
 
     Args:
         rollout: the rollout engine.
@@ -43,6 +58,8 @@ def generate_round(rollout, tokenizer, spec: JobSpec, records: Sequence[PromptRe
         seed: the round's seed (``step_seed``), the same on every rank.
         metrics: where the engine reports its timings (None: nowhere).
     """
+    if spec.rollout.multi_turn.enable:
+        return generate_multi_turn(rollout, tokenizer, spec, records, group_index, params, seed, metrics)
     prompts = render_prompts(tokenizer, records, spec.data.max_prompt_length, spec.data.system_prompt)
     return rollout.generate(prompts, group_index, params, seed, metrics)
 
@@ -56,10 +73,12 @@ def run_rollout(ctx: StageContext, node: PlannedNode, batch: None) -> StageOutpu
     ctx.prompts.update(zip(group_index, records))
     generated = generate_round(ctx.models.rollout, ctx.tokenizer, spec, records, group_index,
                                sampling_params(spec), step_seed(spec.trainer.seed, ctx.step), ctx.metrics)
-    resp = generated.sample_fields["response_len"].double()
+    # Length is the model's own tokens (tool outputs of a multi-turn sample excluded); clipped means
+    # the sample used the whole token budget, which tool tokens spend too.
+    resp = model_token_counts(generated).double()
     ctx.metrics.add_mean("response_length/mean", resp.sum(), resp.numel())
     ctx.metrics.add_max("response_length/max", resp.max())
-    clipped = (resp >= spec.data.max_response_length).double()
+    clipped = (generated.sample_fields["response_len"] >= spec.data.max_response_length).double()
     ctx.metrics.add_mean("response_length/clip_ratio", clipped.sum(), resp.numel())
     prompt = generated.sample_fields["prompt_len"].double()
     ctx.metrics.add_mean("prompt_length/mean", prompt.sum(), prompt.numel())

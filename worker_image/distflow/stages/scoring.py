@@ -1,6 +1,6 @@
 """Scoring a step's responses: outcome reward, reward shaping, advantages.
 
-    reward          scores [B], token_level_scores [T_total] (the score on the last response token)
+    reward          scores [B], token_level_scores [T_total] (the score on the model's last token)
     reward_shaping  token_level_rewards [T_total] = scores + overlong penalty - beta * KL
     advantage       advantages, returns [T_total] (from token_level_rewards when a node shaped them)
 
@@ -19,6 +19,7 @@ from distflow.algorithms import (
     get_advantage_fn, overlong_penalty,
 )
 from distflow.data.batch import PackedBatch
+from distflow.data.model_tokens import last_model_column, last_model_token, model_token_counts
 from distflow.data.records import PromptRecord
 from distflow.engines import model_ops
 from distflow.engines.rollout import response_texts
@@ -32,17 +33,28 @@ def score_responses(tokenizer, batch: PackedBatch, record_of: Mapping[int, Promp
                     reward_fn: str | None, where: str) -> tuple[list[str], list[PromptRecord], list[float]]:
     """Each response's text, its prompt's record (by ``group_index``) and its reward, in batch order.
 
+    The reward is the reward function's score of the text, plus, for a multi-turn trajectory
+    with an environment (``rollout.multiTurn.environment``), the rewards its ``step`` returned
+    (``env_reward``, summed over the turns): a task scored by its environment alone gives a
+    reward function that returns 0 (e.g. ``rewardFn: module:zero``).
     ``where`` (``at step 3``) goes into the message of a reward function that raises."""
     texts = response_texts(tokenizer, batch)
     records = [record_of[g] for g in batch.sample_fields["group_index"].tolist()]
-    return texts, records, compute_scores(texts, records, reward_fn, where)
+    scores = compute_scores(texts, records, reward_fn, where)
+    if (env := batch.sample_fields.get("env_reward")) is not None:
+        scores = [s + e for s, e in zip(scores, env.tolist(), strict=True)]
+    return texts, records, scores
 
 
 def score_fields(batch: PackedBatch, scores: Sequence[float]) -> StageOutput:
-    """``scores`` [B] and ``token_level_scores`` [T_total]: each outcome on its sample's last token."""
+    """``scores`` [B] and ``token_level_scores`` [T_total]: each outcome on its sample's last model token.
+
+    That is the last ``response_mask`` 1 token, so a multi-turn trajectory cut off by the token
+    budget inside a tool output still rewards the model's last action (``model_tokens``).
+    """
     per_sample = torch.tensor(scores, dtype=torch.float32, device=batch.device)
     token_scores = torch.zeros(batch.num_tokens, dtype=torch.float32, device=batch.device)
-    token_scores[batch.cu_seqlens(dtype=torch.long)[1:] - 1] = per_sample
+    token_scores[last_model_token(batch)] = per_sample
     return StageOutput(token={"token_level_scores": token_scores}, sample={"scores": per_sample})
 
 
@@ -65,15 +77,21 @@ def build_kl_controller(ctrl: KLControlSpec) -> FixedKLController | AdaptiveKLCo
 
 
 def run_reward_shaping(ctx: StageContext, node: PlannedNode, batch: PackedBatch) -> StageOutput:
-    """token_level_rewards from token_level_scores: DAPO's overlong penalty, then the KL penalty."""
+    """token_level_rewards from token_level_scores: DAPO's overlong penalty, then the KL penalty.
+
+    The overlong penalty measures a response by the model's own tokens (the sum of its
+    ``response_mask``; tool outputs of a multi-turn sample are not the model's verbosity) and
+    sits with the outcome, on the model's last token.
+    """
     spec, alg = ctx.spec, ctx.spec.algorithm
     mb = model_ops.collate(batch, ctx.tokenizer.pad_token_id)
     rewards = model_ops.window_field(mb, "token_level_scores").float()
     if alg.overlong_buffer.enable:
         buffer = alg.overlong_buffer.length or max(1, spec.data.max_response_length // 4)
-        penalty = overlong_penalty(batch.sample_fields["response_len"], spec.data.max_response_length,
+        penalty = overlong_penalty(model_token_counts(batch), spec.data.max_response_length,
                                    buffer, alg.overlong_buffer.penalty_factor)
-        rewards[:, -1] += penalty  # every response ends in the window's last column, with its outcome
+        rows = torch.arange(rewards.shape[0], device=rewards.device)
+        rewards[rows, last_model_column(mb.response_mask).to(rewards.device)] += penalty.to(rewards.device)
         ctx.metrics.add_mean("reward/overlong_penalty/mean", penalty.double().sum(), penalty.numel())
         ctx.metrics.add_mean("reward/overlong_frac", (penalty < 0).double().sum(), penalty.numel())
     if alg.use_kl_in_reward:

@@ -1,0 +1,1 @@
+"""Built-in tools for ``rollout.multiTurn.tools`` (``function: distflow.multiturn.tools.<module>:<function>``)."""
