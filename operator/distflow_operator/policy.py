@@ -171,8 +171,8 @@ class RunState:
     """Ranks of the current attempt that exited 0 (their pods may be garbage-collected since)."""
     last_failure: NodeFailure | None = None
     attempt_nodes: int | None = None
-    """Nodes the current attempt's pods were created for; None: not recorded (then spec.cluster.numNodes,
-    or what the attempt's pods' ranks show)."""
+    """Nodes the current attempt's pods were created for; None: not recorded (an older operator's
+    status: then the pods' PET_NNODES, else spec.cluster.numNodes)."""
     resizing: Resize | None = None
     """The resize in flight: requested, not yet running at its new size."""
     last_resize: Resize | None = None

@@ -38,7 +38,6 @@ import json
 import yaml
 
 from distflow.errors import DistflowConfigError
-from distflow.resize import RESIZE_KEY
 from distflow.spec import API_GROUP, API_VERSION, KIND, JobSpec, render_spec_document
 
 from distflow_operator import MANAGER

@@ -7,7 +7,7 @@ from datetime import timedelta
 
 import pytest
 
-from distflow_operator.observed import format_time, job_view
+from distflow_operator.observed import format_time
 from distflow_operator.policy import decide
 from distflow_operator.status import compute_status, transition_events
 from tests.unit.test_policy import NOW, ago, make_job, pod
