@@ -9,7 +9,8 @@ operator, and Debian's Prometheus scraping a node exporter of distflow's
 rollout backlog the test sets. A ScaledObject on the job, with the Prometheus
 trigger of examples/scaledobject.yaml, must move ``spec.cluster.numNodes``
 through the CRD's scale subresource from 2 to 4 when the backlog rises, and
-back to 2 when it falls; the operator's gang follows.
+back to 2 when it falls; the operator's gang follows: it asks the running workers to stop for
+each resize, and their exit 3 (played here) starts the gang at the new size.
 
 Opt-in (``-m keda``), and skipped, saying why, until the KEDA binaries are
 built (``bash tests/controlplane/build_keda.sh``; long: KEDA links every scaler).
@@ -106,7 +107,8 @@ def test_scaled_object_resizes_the_job_on_the_rollout_backlog(control_plane, k8s
         _wait_num_nodes(api, keda, name, 4)
         scaled_up_s = time.monotonic() - started
         assert _external_value(control_plane, keda, path, 3.5 * SAMPLES_PER_NODE) == 3.5 * SAMPLES_PER_NODE
-        status = api.wait_phase(name, "Running", timeout_s=90, replicas=4)
+        _stop_for_resize(control_plane, api, k8s_namespace, name, attempt=1, num_nodes=4)
+        status = api.wait_phase(name, "Running", timeout_s=90, replicas=4, attempt=2)
         assert status["selector"] == f"app.kubernetes.io/managed-by=distflow-operator,distflow.io/job-name={name}"
 
         started = time.monotonic()
@@ -114,11 +116,22 @@ def test_scaled_object_resizes_the_job_on_the_rollout_backlog(control_plane, k8s
         _wait_num_nodes(api, keda, name, 2)
         report_figure(f"KEDA: numNodes 2 -> 4 in {scaled_up_s:.1f} s after the backlog rose, "
                       f"4 -> 2 in {time.monotonic() - started:.1f} s after it fell (HPA sync 2 s, scrape 1 s)")
-        api.wait_phase(name, "Running", timeout_s=90, replicas=2)
-        assert api.job(name)["spec"]["cluster"]["numNodes"] == 2
+        _stop_for_resize(control_plane, api, k8s_namespace, name, attempt=2, num_nodes=2)
+        status = api.wait_phase(name, "Running", timeout_s=90, replicas=2, attempt=3)
+        assert api.job(name)["spec"]["cluster"]["numNodes"] == 2 and status["restarts"] == 0
     finally:
         control_plane.kubectl("delete", "-n", k8s_namespace, "--ignore-not-found", "scaledobject", name)
         prometheus.stop()
+
+
+def _stop_for_resize(control_plane, api, namespace: str, name: str, attempt: int, num_nodes: int) -> None:
+    """The workers' part of a resize, played as kwok runs no runtime: once the operator asks for
+    ``num_nodes`` (the ConfigMap key its pods read at each step boundary), node 0 of ``attempt``
+    exits 3, as at a step boundary after the checkpoint (the operator then deletes the others)."""
+    wait_for(lambda: ((api.get("configmaps", f"{name}-config") or {}).get("data") or {}).get("resize")
+             == f'{{"numNodes": {num_nodes}}}', 60, what=lambda: f"resize request ({api.status(name)})")
+    assert api.status(name)["attempt"] == attempt
+    control_plane.set_pod_phase(namespace, f"{name}-node-0", "Failed", exit_code=3)
 
 
 def _hpa(control_plane, namespace: str, name: str) -> dict | None:
