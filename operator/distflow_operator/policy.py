@@ -56,7 +56,8 @@ labelled ``distflow.io/attempt=a``. Decisions, in order:
    when the new attempt's pods all ran, and that downtime in seconds. A size
    the operator cannot read (the spec's own checks refuse it; the API
    server's CEL rules normally do first) is held as in 2, with reason
-   ResizeRefused: the job keeps running at its size.
+   ResizeRefused: the job keeps running at its size (a request made before
+   is withdrawn: the operator could not start workers that stopped for it).
 8. Otherwise pods of older attempts are deleted first, then, once they are gone
    and the backoff has passed, missing ranks are created. A pod still
    Terminating ``terminatingTimeoutSeconds`` after its grace period (its node
@@ -544,12 +545,12 @@ def decide(job: JobView, pods: Sequence[PodView], now: datetime, lost: Collectio
         return _finish(job, pods, state, now, Outcome(
             prev_phase, job.status.get("reason", prev_phase), job.status.get("message", "")))
     if job.spec is None and (state.start_time is not None or pods):
-        request = state.resizing.to_nodes if state.resizing and state.resizing.attempt is None else None
+        # A resize request is withdrawn meanwhile: workers that stopped could not be restarted.
         if state.attempt_nodes is not None and job.requested_nodes not in (None, state.attempt_nodes):
-            return Decision(state, resize_request=request, held=Outcome(prev_phase or "Pending", "ResizeRefused", (
+            return Decision(state, held=Outcome(prev_phase or "Pending", "ResizeRefused", (
                 f"spec.cluster.numNodes={job.requested_nodes} cannot be applied; the job keeps running at "
                 f"{state.attempt_nodes} nodes: " + "; ".join(job.problems))))
-        return Decision(state, resize_request=request, held=Outcome(prev_phase or "Pending", "UnreadableSpec", (
+        return Decision(state, held=Outcome(prev_phase or "Pending", "UnreadableSpec", (
             "this operator cannot read the spec (operator and CRD versions differ?); the running "
             "job is left as it is until the spec or the operator is fixed: " + "; ".join(job.problems))))
     if job.spec is None:

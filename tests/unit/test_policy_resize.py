@@ -133,6 +133,9 @@ def test_a_size_the_spec_refuses_keeps_the_job_running_with_a_reason():
     assert decision.held.reason == "ResizeRefused" and "keeps running at 2 nodes" in decision.held.message
     assert "trainBatchSize" in decision.held.message
     assert (decision.delete_pods, decision.create_ranks, decision.terminal) == ((), (), None)
+    # A request made before for a valid size is withdrawn while the job is held.
+    held = decide(job(3, running(resizing=requested()), batch=4), [pod(0), pod(1)], NOW)
+    assert held.held.reason == "ResizeRefused" and held.resize_request is None
 
 
 def test_without_a_recorded_size_the_pods_tell_the_attempts_size():
