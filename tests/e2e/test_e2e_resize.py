@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import time
 from pathlib import Path
 
 import pytest
@@ -79,7 +80,7 @@ def _by_hand(spec_doc: dict, tmp_path: Path, stops: list[tuple[int, int]]) -> Pa
 
 
 def test_scale_2_3_2_mid_run_loses_and_repeats_nothing_and_ends_as_a_run_resized_by_hand(cluster, namespace,
-                                                                                          tmp_path):
+                                                                                          tmp_path, report_figure):
     name = "e2e-resize"
     api = Api(cluster, namespace)
     doc = _manifest(name, tmp_path)
@@ -91,15 +92,24 @@ def test_scale_2_3_2_mid_run_loses_and_repeats_nothing_and_ends_as_a_run_resized
         out = cluster.kubectl("apply", "-n", namespace, "-f", "-", input=json.dumps(doc, default=str))
         assert out.returncode == 0, out.stderr
         wait_for(_trained_past(logs, 0), JOB_TIMEOUT_S, what=lambda: f"step 1 at 2 nodes ({kubelet.log_tails()})")
+        asked = time.monotonic()
         _scale(cluster, namespace, name, 3)
-        wait_for(lambda: (api.status(name).get("lastResize") or {}).get("to") == 3, JOB_TIMEOUT_S,
-                 what=lambda: f"resized to 3 ({dump(api.status(name))}\n{kubelet.log_tails()})")
+        up = wait_for(lambda: (api.status(name).get("lastResize") or {}).get("to") == 3 and api.status(name),
+                      JOB_TIMEOUT_S, what=lambda: f"resized to 3 ({dump(api.status(name))}\n{kubelet.log_tails()})")
         first = [int(m[1]) for m in STOPPED.finditer(kubelet.log_tails(5000))]
         assert len(first) == 1, kubelet.log_tails()
         wait_for(_trained_past(logs, first[0]), JOB_TIMEOUT_S, what="a step at 3 nodes")
+        up_s, asked = time.monotonic() - asked, time.monotonic()
         _scale(cluster, namespace, name, 2)
+        wait_for(lambda: (api.status(name).get("lastResize") or {}).get("to") == 2, JOB_TIMEOUT_S, what="resized to 2")
+        second = max(int(m[1]) for m in STOPPED.finditer(kubelet.log_tails(5000)))
+        wait_for(_trained_past(logs, second), JOB_TIMEOUT_S, what="a step at 2 nodes")
+        down_s = time.monotonic() - asked
         status = _wait_finished(api, name, kubelet, timeout_s=2 * JOB_TIMEOUT_S)
         node_logs = kubelet.log_tails(5000)
+    report_figure(f"resize on the e2e kubelet (tiny model, CPU): 2 -> 3 nodes {up_s:.1f} s from kubectl scale to "
+                  f"the next step done ({up['lastResize']['costSeconds']:g} s stop -> all pods running), 3 -> 2 "
+                  f"{down_s:.1f} s ({status['lastResize']['costSeconds']:g} s)")
 
     stops = sorted((int(m[1]), int(m[2])) for m in STOPPED.finditer(node_logs))  # logs are not in time order
     assert [nodes for _, nodes in stops] == [3, 2] and 1 <= stops[0][0] < stops[1][0] < TOTAL_STEPS, node_logs
