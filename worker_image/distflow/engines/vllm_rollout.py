@@ -183,7 +183,8 @@ class PoolEngineExtension:
 
 
 class VllmRollout:
-    """A vLLM engine colocated with this rank's actor shards.
+    """A vLLM engine colocated with this rank's actor shards (``build``), or a rollout pool
+    worker's isolated engine (``build_isolated``).
 
     Same interface as ``HfRollout``: ``generate`` and ``sync``; ``shared`` is
     False (the engine holds its own copy of the weights).
@@ -380,7 +381,7 @@ class VllmRollout:
             moved += self.llm.collective_rpc("distflow_load_bucket",
                                              args=(list(bucket.names), [list(s) for s in bucket.shapes], dtype,
                                                    payload))[0]
-            del flat, payload
+            del bucket, flat, payload  # released before the next broadcast allocates its bucket
         self.llm.collective_rpc("distflow_finish_reload")
         self.llm.reset_prefix_cache()  # cached prompt KV was computed with the old weights
         return moved

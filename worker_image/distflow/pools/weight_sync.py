@@ -123,8 +123,9 @@ class WeightSync:
             replica: the model whose ``named_parameters`` order the buckets follow. Without
                 ``load_buckets`` the weights are copied into its parameters; with it, it only
                 gives names and shapes (it may be on the meta device).
-            load_buckets: takes the received buckets, an iterator to consume in order (each
-                bucket's storage is reused once the next one is drawn), e.g. a vLLM engine's
+            load_buckets: takes the received buckets, an iterator of ``ReceivedBucket`` to
+                consume to its end (each draw is a broadcast; one that lets go of a bucket
+                before drawing the next holds one at a time), e.g. a vLLM engine's
                 ``load_weight_buckets``.
         """
         version = torch.zeros(1, dtype=torch.int64, device=self.device)
@@ -137,15 +138,18 @@ class WeightSync:
             for bucket in buckets:
                 for name, tensor in bucket.tensors():
                     params[name].data.copy_(tensor)
+                del bucket, tensor  # released before the next broadcast allocates its bucket
         return int(version.item())
 
     def _received(self, replica: torch.nn.Module) -> Iterator["ReceivedBucket"]:
+        """The buckets of one sync, each received (broadcast) when drawn."""
         named = list(replica.named_parameters())
         for bucket in plan_buckets([p.numel() for _, p in named], self.dtype.itemsize, self.bucket_bytes):
             flat = torch.empty(bucket.numel, dtype=self.dtype, device=self.device)
             dist.broadcast(flat, self.src, group=self.group)
             yield ReceivedBucket(flat, tuple(named[i][0] for i in bucket.params),
                                  tuple(tuple(named[i][1].shape) for i in bucket.params))
+            del flat  # one bucket held at a time: the next is allocated after the consumer let go of this one
 
 
 @dataclass(frozen=True)
