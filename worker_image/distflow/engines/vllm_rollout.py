@@ -20,11 +20,12 @@ Isolated (a rollout pool's worker, ``build_isolated``): the external launcher
 builds its groups over the whole job's world, which the trainer pool's ranks
 never join, so a rollout rank's engine keeps out of that world.
 
-    rollout rank r (job's world: gloo/NCCL)           engine core, child process (spawned)
-      WeightSync.receive: bucket k from trainer 0       uniproc executor, torch.distributed world of 1
-        (job's collective, one bucket held) ──collective_rpc(bytes)──> distflow_load_bucket:
-                                                          model.load_weights (layer-wise, in place)
-      generate(prompts) ──────────────────────────────> scheduler + model: token ids, log-probs
+    rollout rank r (in the job's world: gloo/NCCL)       engine core: child process (spawned), world of 1
+      WeightSync.receive: bucket k from trainer rank 0
+        (one bucket held) ──── collective_rpc(bucket bytes) ────> distflow_load_bucket: load_weights,
+                                                                    layer-wise, in place
+      generate(prompts) ────── requests ────────────────────────> scheduler + model (uniproc executor)
+                        <───── token ids + sampled tokens' log-probs
 
 Its engine core runs in a child process (``VLLM_ENABLE_V1_MULTIPROCESSING=1``,
 spawned, the worker's RANK/WORLD_SIZE/MASTER_*/LOCAL_RANK withheld from it),
