@@ -284,8 +284,9 @@ CONFLICTS: list[tuple[str, str, dict]] = [
     ("unknown built-in reward", "spec.data.rewardFn", {"data": {"rewardFn": "gsm9k"}}),
     ("rollout pool of every node", "spec.async.rolloutPool.numNodes",
      {"async": {"enable": True, "rolloutPool": {"numNodes": 64}}}),
-    ("asynchronous mode with vllm", "spec.rollout.engine",
-     {"async": {"enable": True}, "cluster": {"numNodes": 2}, "rollout": {"engine": "vllm"}}),
+    ("asynchronous mode with tensor-parallel vllm", "spec.rollout.tensorParallelSize",
+     {"async": {"enable": True}, "cluster": {"numNodes": 2},
+      "rollout": {"engine": "vllm", "tensorParallelSize": 2}}),
     ("asynchronous mode with dynamic sampling", "spec.async.enable",
      {"async": {"enable": True}, "cluster": {"numNodes": 2}, "algorithm": {"filterGroups": {"enable": True}}}),
     ("custom workflow with a cycle", "spec.workflow.nodes", {"workflow": {"nodes": [
