@@ -24,16 +24,20 @@ never join, so a rollout rank's engine keeps out of that world.
       WeightSync.receive: bucket k from trainer rank 0
         (one bucket held) ──── collective_rpc(bucket bytes) ────> distflow_load_bucket: load_weights,
                                                                     layer-wise, in place
-      generate(prompts) ────── requests ────────────────────────> scheduler + model (uniproc executor)
+      generate(prompts) ────── requests ────────────────────────> scheduler + model (executor: 1 rank)
                         <───── token ids + sampled tokens' log-probs
 
 Its engine core runs in a child process (``VLLM_ENABLE_V1_MULTIPROCESSING=1``,
 spawned, the worker's RANK/WORLD_SIZE/MASTER_*/LOCAL_RANK withheld from it),
-whose uniproc executor opens a world of its own (a file store: no port). The
+whose executor opens a torch.distributed world of its own, of one rank (on CPU
+vLLM's multiprocessing executor: one more process under the core, on a free
+port; on CUDA the uniproc one, in the core, on a file store). The
 rank builds no hf replica: the engine's weights are the replica, and a sync
 streams the trainer's buckets into them by ``collective_rpc`` on the methods of
 ``PoolEngineExtension`` (vLLM's ``worker_extension_cls``), vLLM's layer-wise
-in-place reload. Tensor parallelism 1 per rollout rank (``validate`` refuses more).
+in-place reload. A thread in the engine's worker watches the rollout rank and
+takes the engine down with it (``distflow_exit_with``): a kill -9 leaves no
+orphan. Tensor parallelism 1 per rollout rank (``validate`` refuses more).
 
 Sampling matches the hf engine's spec: ``n`` responses per prompt, each its
 own request with its own seed (derived from the call's seed, the prompt's
@@ -61,6 +65,9 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import signal
+import threading
+import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -130,28 +137,51 @@ world is its own)."""
 @contextlib.contextmanager
 def _isolated_engine_env(config: VllmConfig):
     """The environment an isolated engine's core process is spawned with, for the duration of the
-    block (the child copies it at spawn; the worker's own is restored after)."""
-    saved = dict(os.environ)
+    block (the child copies it at spawn); the variables it changes are the worker's again after."""
+    touched = (*_WORKER_ENV, "VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_WORKER_MULTIPROC_METHOD", "CUDA_VISIBLE_DEVICES")
+    saved = {key: os.environ.get(key) for key in touched}
     for key in _WORKER_ENV:
         os.environ.pop(key, None)
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
     # fork would copy the worker's initialised job world into the child
     os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
     if config.device_type == "cuda":
-        visible = saved.get("CUDA_VISIBLE_DEVICES")
+        visible = saved["CUDA_VISIBLE_DEVICES"]
         ids = visible.split(",") if visible else [str(i) for i in range(torch.cuda.device_count())]
         os.environ["CUDA_VISIBLE_DEVICES"] = ids[config.device_index]
     try:
         yield
     finally:
-        os.environ.clear()
-        os.environ.update(saved)
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
 
 
 class PoolEngineExtension:
     """Methods vLLM mixes into an isolated engine's worker (``worker_extension_cls``), called by
     name with ``LLM.collective_rpc`` from the rollout rank: a sync as vLLM's layer-wise in-place
     reload, fed one bucket per call."""
+
+    def distflow_exit_with(self, worker_pid: int, period_s: float = 1.0) -> None:
+        """Watch the rollout worker (pid ``worker_pid``) from a thread, every ``period_s``
+        seconds: once it is gone (a kill -9 leaves it no time for ``close``), kill this engine
+        (its core process, when this worker of its executor runs in a process of its own) and exit."""
+        core = os.getppid()  # the engine core, or the rollout worker itself (executor in the core)
+
+        def watch() -> None:
+            while True:
+                time.sleep(period_s)
+                try:
+                    os.kill(worker_pid, 0)
+                except ProcessLookupError:
+                    if core != worker_pid:
+                        with contextlib.suppress(ProcessLookupError):
+                            os.kill(core, signal.SIGKILL)
+                    os._exit(1)
+
+        threading.Thread(target=watch, name="distflow-exit-with-worker", daemon=True).start()
 
     def distflow_begin_reload(self) -> None:
         """Put every layer in layer-wise reload (a layer is processed once all its weights came)."""
@@ -262,6 +292,7 @@ class VllmRollout:
                       tensor_parallel_size=1, max_model_len=config.max_model_len, seed=config.seed,
                       enforce_eager=True, enable_prefix_caching=True, logprobs_mode="processed_logprobs",
                       worker_extension_cls=f"{__name__}.{PoolEngineExtension.__qualname__}", **kwargs)
+        llm.collective_rpc("distflow_exit_with", args=(os.getpid(),))
         return cls(config, tokenizer, llm, isolated=True)
 
     def close(self) -> None:
