@@ -46,8 +46,12 @@ def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple,
         status.put((rank, traceback.format_exc()))
 
 
-def run_on_ranks(fn: Callable, world_size: int, *args: Any, timeout_s: float = 120.0) -> list[Any]:
+def run_on_ranks(fn: Callable, world_size: int, *args: Any, timeout_s: float = 120.0,
+                 daemon: bool = True) -> list[Any]:
     """``[fn(0, N, *args), ..., fn(N-1, N, *args)]``, each run in its own gloo rank.
+
+    ``daemon=False`` lets a rank start processes of its own (a daemonic process may not), e.g. a
+    vLLM engine core; the ranks are killed all the same when they fail or time out.
 
     Raises:
         RuntimeError: with the worker's traceback if any rank raised, died
@@ -58,7 +62,7 @@ def run_on_ranks(fn: Callable, world_size: int, *args: Any, timeout_s: float = 1
     port = free_port()
     with tempfile.TemporaryDirectory(prefix="distflow-spawn-") as result_dir:
         procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, result_dir, status),
-                             daemon=True) for r in range(world_size)]
+                             daemon=daemon) for r in range(world_size)]
         for p in procs:
             p.start()
         try:

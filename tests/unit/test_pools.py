@@ -64,13 +64,21 @@ def test_sizes_are_checked_per_pool():
 @pytest.mark.parametrize("change, message", [
     ({"async": {"enable": True, "rolloutPool": {"numNodes": 3}}},
      "async.rolloutPool.numNodes: 3 of the job's 3 nodes (cluster.numNodes) leaves none to train; use at most 2"),
-    ({"rollout": {"engine": "vllm"}}, "rollout.engine: the asynchronous mode generates with the hf engine"),
+    ({"rollout": {"engine": "vllm", "tensorParallelSize": 2}},
+     "rollout.tensorParallelSize: 2; in the asynchronous mode each rollout worker runs its own vLLM engine with "
+     "tensor parallelism 1; set it to 1"),
     ({"dataPlane": {"mode": "centralized"}}, "dataPlane.mode: centralized routes every edge through rank 0"),
     ({"rollout": {"tisImpRatioCap": 2.0}}, "rollout.tisImpRatioCap: the asynchronous mode's correction has its own"),
 ])
 def test_what_the_asynchronous_mode_refuses_names_the_field(change, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
         _spec(**change)
+
+
+def test_the_vllm_engine_generates_in_the_rollout_pool_with_tensor_parallelism_one():
+    spec = _spec(rollout={"engine": "vllm"})
+    assert spec.rollout.engine == "vllm" and spec.rollout.tensor_parallel_size == 1
+    assert build_plan(spec).pooled
 
 
 def test_dynamic_sampling_and_nodes_after_the_crossing_are_refused_by_the_planner():

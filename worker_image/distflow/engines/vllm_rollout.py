@@ -1,4 +1,7 @@
-"""Rollout with vLLM (``rollout.engine: vllm``), colocated: one engine in every worker process.
+"""Rollout with vLLM (``rollout.engine: vllm``): colocated in every worker, or isolated in a
+rollout pool's workers (``async.enable``).
+
+Colocated (sync mode): one engine in every worker process.
 
     worker rank r (every rank, no driver)
       ├── actor: FSDP2 shards ──(after each update: gather per parameter, in buckets)──┐
@@ -13,13 +16,36 @@ dimension). Every tp rank of a replica gets all of its responses; each keeps a
 disjoint share of whole prompt groups (prompt i on tp rank i mod tp), so the
 step's batch holds every sample once.
 
+Isolated (a rollout pool's worker, ``build_isolated``): the external launcher
+builds its groups over the whole job's world, which the trainer pool's ranks
+never join, so a rollout rank's engine keeps out of that world.
+
+    rollout rank r (in the job's world: gloo/NCCL)       engine core: child process (spawned), world of 1
+      WeightSync.receive: bucket k from trainer rank 0
+        (one bucket held) ──── collective_rpc(bucket bytes) ────> distflow_load_bucket: load_weights,
+                                                                    layer-wise, in place
+      generate(prompts) ────── requests ────────────────────────> scheduler + model (executor: 1 rank)
+                        <───── token ids + sampled tokens' log-probs
+
+Its engine core runs in a child process (``VLLM_ENABLE_V1_MULTIPROCESSING=1``,
+spawned, the worker's RANK/WORLD_SIZE/MASTER_*/LOCAL_RANK withheld from it),
+whose executor opens a torch.distributed world of its own, of one rank (on CPU
+vLLM's multiprocessing executor: one more process under the core, on a free
+port; on CUDA the uniproc one, in the core, on a file store). The
+rank builds no hf replica: the engine's weights are the replica, and a sync
+streams the trainer's buckets into them by ``collective_rpc`` on the methods of
+``PoolEngineExtension`` (vLLM's ``worker_extension_cls``), vLLM's layer-wise
+in-place reload. A thread in the engine's worker watches the rollout rank and
+takes the engine down with it (``distflow_exit_with``): a kill -9 leaves no
+orphan. Tensor parallelism 1 per rollout rank (``validate`` refuses more).
+
 Sampling matches the hf engine's spec: ``n`` responses per prompt, each its
 own request with its own seed (derived from the call's seed, the prompt's
 global index and the sample's index), so a response does not depend on how
 requests are batched. Log-probs are vLLM's ``processed_logprobs``: after the
 temperature, before top-k/top-p, i.e. what the actor recomputes.
 
-Weight sync (``sync``): the actor's FSDP2 parameters are all-gathered in
+Weight sync, colocated (``sync``): the actor's FSDP2 parameters are all-gathered in
 buckets of at most ``rollout.weightSyncBucketMb`` and streamed into vLLM's
 in-place ``reload_weights`` (layer-wise ``load_weights``): never a second full
 copy of the model in memory. On CUDA the engine sleeps at level 2 between rollouts (KV cache and
@@ -28,15 +54,21 @@ by the sync after the update, or by one the engine runs itself before it generat
 
 Device: the engine's GPU is the worker's own (vLLM's external launcher takes ``cuda:LOCAL_RANK``),
 so ``LOCAL_RANK`` is set to the worker's device index, which differs from its local rank when a
-machine runs several nodes' workers (local launcher) or shows each worker one GPU (Ray).
+machine runs several nodes' workers (local launcher) or shows each worker one GPU (Ray). An
+isolated engine's child process is shown only the worker's GPU (``CUDA_VISIBLE_DEVICES``).
 
 Simplified on purpose: no pipeline parallelism, no LoRA, no HTTP server.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
+import threading
+import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -96,8 +128,94 @@ def _set_launcher_env(rank: int, device_index: int, world_size: int, master_addr
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 
 
+_WORKER_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK",
+               "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID")
+"""The job's torchrun variables: an isolated engine's child process must not see them (its
+world is its own)."""
+
+
+@contextlib.contextmanager
+def _isolated_engine_env(config: VllmConfig):
+    """The environment an isolated engine's core process is spawned with, for the duration of the
+    block (the child copies it at spawn); the variables it changes are the worker's again after."""
+    touched = (*_WORKER_ENV, "VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_WORKER_MULTIPROC_METHOD", "CUDA_VISIBLE_DEVICES")
+    saved = {key: os.environ.get(key) for key in touched}
+    for key in _WORKER_ENV:
+        os.environ.pop(key, None)
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
+    # fork would copy the worker's initialised job world into the child
+    os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
+    if config.device_type == "cuda":
+        visible = saved["CUDA_VISIBLE_DEVICES"]
+        ids = visible.split(",") if visible else [str(i) for i in range(torch.cuda.device_count())]
+        os.environ["CUDA_VISIBLE_DEVICES"] = ids[config.device_index]
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+class PoolEngineExtension:
+    """Methods vLLM mixes into an isolated engine's worker (``worker_extension_cls``), called by
+    name with ``LLM.collective_rpc`` from the rollout rank: a sync as vLLM's layer-wise in-place
+    reload, fed one bucket per call."""
+
+    def distflow_exit_with(self, worker_pid: int, period_s: float = 1.0) -> None:
+        """Watch the rollout worker (pid ``worker_pid``) from a thread, every ``period_s``
+        seconds: once it is gone (a kill -9 leaves it no time for ``close``), kill this engine
+        (its core process, when this worker of its executor runs in a process of its own) and exit."""
+        core = os.getppid()  # the engine core, or the rollout worker itself (executor in the core)
+
+        def watch() -> None:
+            while True:
+                time.sleep(period_s)
+                try:
+                    os.kill(worker_pid, 0)
+                except ProcessLookupError:
+                    if core != worker_pid:
+                        with contextlib.suppress(ProcessLookupError):
+                            os.kill(core, signal.SIGKILL)
+                    os._exit(1)
+
+        threading.Thread(target=watch, name="distflow-exit-with-worker", daemon=True).start()
+
+    def distflow_begin_reload(self) -> None:
+        """Put every layer in layer-wise reload (a layer is processed once all its weights came)."""
+        from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+
+        initialize_layerwise_reload(self.get_model())
+
+    def distflow_load_bucket(self, names: list[str], shapes: list[list[int]], dtype: str, payload: bytes) -> int:
+        """Load one bucket: ``payload`` holds the tensors ``names`` of ``shapes`` in ``dtype``
+        (a torch dtype name), packed one after another; its bytes."""
+        with warnings.catch_warnings():  # read-only message buffer: load_weights only reads it
+            warnings.simplefilter("ignore", UserWarning)
+            flat = torch.frombuffer(payload, dtype=getattr(torch, dtype))
+        weights, offset = [], 0
+        for name, shape in zip(names, shapes):
+            numel = int(torch.Size(shape).numel())
+            weights.append((name, flat[offset: offset + numel].view(shape)))
+            offset += numel
+        self.get_model().load_weights(weights)
+        return flat.numel() * flat.element_size()
+
+    def distflow_finish_reload(self) -> int:
+        """Process the layers left (attention), then repack the CPU GEMM weights kept beside
+        their packed copies (``_repack_kept_cpu_weights``); the layers repacked."""
+        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+
+        model = self.get_model()
+        finalize_layerwise_reload(model, self.vllm_config.model_config)
+        return _repack_kept_cpu_weights(model) if self.vllm_config.device_config.device_type == "cpu" else 0
+
+
 class VllmRollout:
-    """A vLLM engine colocated with this rank's actor shards.
+    """A vLLM engine colocated with this rank's actor shards (``build``), or a rollout pool
+    worker's isolated engine (``build_isolated``).
 
     Same interface as ``HfRollout``: ``generate`` and ``sync``; ``shared`` is
     False (the engine holds its own copy of the weights).
@@ -106,8 +224,10 @@ class VllmRollout:
     shared = False
 
     def __init__(self, config: VllmConfig, tokenizer, llm, tp_rank: int = 0,
-                 policy: torch.nn.Module | None = None) -> None:
+                 policy: torch.nn.Module | None = None, isolated: bool = False) -> None:
         self.config = config
+        self.isolated = isolated
+        """A rollout pool's engine (``build_isolated``): never sleeps, loads weights by ``load_weight_buckets``."""
         self.tokenizer = tokenizer
         self.llm = llm
         self.tp_rank = tp_rank
@@ -151,13 +271,42 @@ class VllmRollout:
         engine.sleep()
         return engine
 
+    @classmethod
+    def build_isolated(cls, config: VllmConfig, tokenizer) -> "VllmRollout":
+        """Start a rollout pool's engine: its core in a child process with a torch.distributed
+        world of its own, outside the job's (only this rank calls it). Loads the weights from
+        ``config.model_dir``; the first ``load_weight_buckets`` replaces them with the trainer's.
+
+        Raises:
+            ValueError: ``config.tensor_parallel_size`` is not 1.
+        """
+        if config.tensor_parallel_size != 1:
+            raise ValueError(f"VllmRollout.build_isolated: tensor parallelism {config.tensor_parallel_size}; "
+                             "a rollout pool's engine runs with 1 (rollout.tensorParallelSize: 1)")
+        from vllm import LLM
+
+        kwargs = (dict(gpu_memory_utilization=config.gpu_memory_utilization) if config.device_type == "cuda"
+                  else dict(kv_cache_memory_bytes=config.cpu_kv_cache_bytes))
+        with _isolated_engine_env(config):
+            llm = LLM(model=config.model_dir, tokenizer=config.model_dir, dtype=config.dtype,
+                      tensor_parallel_size=1, max_model_len=config.max_model_len, seed=config.seed,
+                      enforce_eager=True, enable_prefix_caching=True, logprobs_mode="processed_logprobs",
+                      worker_extension_cls=f"{__name__}.{PoolEngineExtension.__qualname__}", **kwargs)
+        llm.collective_rpc("distflow_exit_with", args=(os.getpid(),))
+        return cls(config, tokenizer, llm, isolated=True)
+
+    def close(self) -> None:
+        """Stop the engine's core process (an isolated engine's; a colocated one has none)."""
+        if self.isolated:
+            self.llm.llm_engine.engine_core.shutdown()
+
     def sleep(self) -> None:
         """CUDA: discard the KV cache and the weights (level 2) while the actor trains.
 
         Level 1 would copy the weights to pinned host memory and back, only for the
         sync after the update to overwrite them.
         """
-        if self.config.device_type == "cuda" and self.resident:
+        if self.config.device_type == "cuda" and self.resident and not self.isolated:
             self.llm.sleep(level=2)
             self.resident = set()
             self.weights_loaded = False
@@ -241,6 +390,33 @@ class VllmRollout:
         self.llm.reset_prefix_cache()  # cached prompt KV was computed with the old weights
         self.weights_loaded = True
         return moved[0]
+
+    @torch.no_grad()
+    def load_weight_buckets(self, buckets) -> int:
+        """Isolated engine: load a weight sync's buckets into the engine, in place, one at a time.
+
+        Args:
+            buckets: iterable of ``distflow.pools.weight_sync.ReceivedBucket`` (flat [numel]
+                tensor in the engine's dtype, names, shapes), together every parameter of the
+                model; consumed in order, one held at a time.
+
+        Returns:
+            Bytes loaded.
+        """
+        assert self.isolated, "load_weight_buckets feeds an isolated engine; a colocated one syncs from the actor"
+        self.llm.collective_rpc("distflow_begin_reload")
+        moved = 0
+        for bucket in buckets:
+            flat = bucket.flat.detach().to("cpu").contiguous()
+            payload = memoryview(flat.view(torch.uint8).numpy())
+            dtype = str(flat.dtype).removeprefix("torch.")
+            moved += self.llm.collective_rpc("distflow_load_bucket",
+                                             args=(list(bucket.names), [list(s) for s in bucket.shapes], dtype,
+                                                   payload))[0]
+            del bucket, flat, payload  # released before the next broadcast allocates its bucket
+        self.llm.collective_rpc("distflow_finish_reload")
+        self.llm.reset_prefix_cache()  # cached prompt KV was computed with the old weights
+        return moved
 
 
 def _repack_kept_cpu_weights(model: torch.nn.Module) -> int:

@@ -9,15 +9,19 @@
 One bucket is in flight at a time: beyond its own shards, a trainer rank holds
 at most one bucket of full parameters (``rollout.weightSyncBucketMb``), and a
 rollout rank its replica plus one bucket; no rank ever holds a second full
-copy of the model. The broadcast runs over the job's device collective (NCCL
+copy of the model. With ``rollout.engine: vllm`` the replica is the engine's
+(in its own process): the rollout rank forwards each bucket into it
+(``VllmRollout.load_weight_buckets``) and knows the parameters' names and
+shapes from a model on the meta device. The broadcast runs over the job's device collective (NCCL
 on GPU, gloo on CPU). The bucket layout is a pure function of the parameter
 list, so sender and receivers agree on it without exchanging it.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Iterable, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -111,17 +115,57 @@ class WeightSync:
         return sent
 
     @torch.no_grad()
-    def receive(self, replica: torch.nn.Module) -> int:
-        """Rollout ranks: load the next broadcast into ``replica``'s parameters; its version."""
+    def receive(self, replica: torch.nn.Module,
+                load_buckets: Callable[[Iterable["ReceivedBucket"]], object] | None = None) -> int:
+        """Rollout ranks: the next broadcast; its version.
+
+        Args:
+            replica: the model whose ``named_parameters`` order the buckets follow. Without
+                ``load_buckets`` the weights are copied into its parameters; with it, it only
+                gives names and shapes (it may be on the meta device).
+            load_buckets: takes the received buckets, an iterator of ``ReceivedBucket`` to
+                consume to its end (each draw is a broadcast; one that lets go of a bucket
+                before drawing the next holds one at a time), e.g. a vLLM engine's
+                ``load_weight_buckets``.
+        """
         version = torch.zeros(1, dtype=torch.int64, device=self.device)
         dist.broadcast(version, self.src, group=self.group)
-        params, buckets = self._buckets(replica)
-        for bucket in buckets:
+        buckets = self._received(replica)
+        if load_buckets is not None:
+            load_buckets(buckets)
+        else:
+            params = dict(replica.named_parameters())
+            for bucket in buckets:
+                for name, tensor in bucket.tensors():
+                    params[name].data.copy_(tensor)
+                del bucket, tensor  # released before the next broadcast allocates its bucket
+        return int(version.item())
+
+    def _received(self, replica: torch.nn.Module) -> Iterator["ReceivedBucket"]:
+        """The buckets of one sync, each received (broadcast) when drawn."""
+        named = list(replica.named_parameters())
+        for bucket in plan_buckets([p.numel() for _, p in named], self.dtype.itemsize, self.bucket_bytes):
             flat = torch.empty(bucket.numel, dtype=self.dtype, device=self.device)
             dist.broadcast(flat, self.src, group=self.group)
-            offset = 0
-            for i in bucket.params:
-                p = params[i]
-                p.data.copy_(flat[offset: offset + p.numel()].view_as(p))
-                offset += p.numel()
-        return int(version.item())
+            yield ReceivedBucket(flat, tuple(named[i][0] for i in bucket.params),
+                                 tuple(tuple(named[i][1].shape) for i in bucket.params))
+            del flat  # one bucket held at a time: the next is allocated after the consumer let go of this one
+
+
+@dataclass(frozen=True)
+class ReceivedBucket:
+    """One broadcast as a rollout rank receives it: consecutive parameters, packed."""
+
+    flat: torch.Tensor
+    """[numel] the parameters' elements, one after another, in the sync dtype."""
+    names: tuple[str, ...]
+    """Their names (``named_parameters`` of the trainer's model: checkpoint names)."""
+    shapes: tuple[tuple[int, ...], ...]
+
+    def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """(name, view of ``flat`` in the parameter's shape), in order."""
+        offset = 0
+        for name, shape in zip(self.names, self.shapes):
+            numel = math.prod(shape)
+            yield name, self.flat[offset: offset + numel].view(shape)
+            offset += numel

@@ -38,7 +38,7 @@ from distflow import chaos, checkpoint, process_group, sample_ids
 from distflow.data.batch import PackedBatch
 from distflow.engines import flex_masks, fsdp
 from distflow.engines.actor import Actor
-from distflow.engines.loading import load_sharded_causal_lm, rollout_replica
+from distflow.engines.loading import empty_causal_lm, load_sharded_causal_lm, rollout_replica
 from distflow.engines.rollout import HfRollout
 from distflow.metrics import StepMetrics
 from distflow.models import DTYPES, load_tokenizer
@@ -104,6 +104,13 @@ class PoolWorker(DagWorker):
                 self.ref_model.requires_grad_(False)
             # The trainer pool evaluates with its own weights (version = steps trained, no lag).
             self.rollout = HfRollout(fsdp.RolloutWeights(self.actor_model), self.tokenizer, self.device)
+        elif spec.rollout.engine == "vllm":
+            # The engine's weights are the replica (in its own process); the sync needs only the
+            # parameters' names and shapes, from a model on the meta device.
+            from distflow.engines.vllm_rollout import VllmRollout, vllm_config
+
+            self.replica = empty_causal_lm(env.model_dir, compute)
+            self.rollout = VllmRollout.build_isolated(vllm_config(spec, env.model_dir, self.device), self.tokenizer)
         else:
             # Filled by the first weight sync: the trainer's version, not a second read of the files.
             self.replica = rollout_replica(env.model_dir, self.device, compute)
@@ -201,7 +208,9 @@ class PoolWorker(DagWorker):
         """Both pools: the trainer's weights (``self.version``) into every rollout replica."""
         if self.trains:
             return self.weight_sync.send(self.actor_model, self.version)
-        self.version = self.weight_sync.receive(self.replica)
+        # vllm: each bucket on into the engine's own process (the replica only names the parameters)
+        load = self.rollout.load_weight_buckets if self.spec.rollout.engine == "vllm" else None
+        self.version = self.weight_sync.receive(self.replica, load)
         return 0
 
     # ---- the run ---------------------------------------------------------------------------
@@ -324,5 +333,7 @@ class PoolWorker(DagWorker):
 
     def close(self, clean: bool = True) -> None:
         process_group.set_pool_group(None)
+        if not self.trains and self.spec.rollout.engine == "vllm" and getattr(self, "rollout", None) is not None:
+            self.rollout.close()  # the vLLM engine's core process
         super().close(clean)
 

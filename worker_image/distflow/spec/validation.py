@@ -98,9 +98,10 @@ def _pool_problems(spec: JobSpec):
     if pool.num_nodes >= nodes:
         yield (f"async.rolloutPool.numNodes: {pool.num_nodes} of the job's {nodes} nodes (cluster.numNodes) "
                f"leaves none to train; use at most {nodes - 1}, or raise cluster.numNodes")
-    if spec.rollout.engine != "hf":
-        yield ("rollout.engine: the asynchronous mode generates with the hf engine for now; set rollout.engine: "
-               "hf or async.enable: false")
+    if spec.rollout.engine == "vllm" and spec.rollout.tensor_parallel_size != 1:
+        yield (f"rollout.tensorParallelSize: {spec.rollout.tensor_parallel_size}; in the asynchronous mode each "
+               "rollout worker runs its own vLLM engine with tensor parallelism 1; set it to 1 (more rollout "
+               "workers give more replicas) or async.enable: false")
     if spec.algorithm.filter_groups.enable:
         yield ("async.enable: dynamic sampling (algorithm.filterGroups) regenerates within the step, which the "
                "asynchronous mode does not support yet; disable algorithm.filterGroups or set async.enable: false")
