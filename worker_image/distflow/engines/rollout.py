@@ -329,18 +329,26 @@ def _shared_prefill(model, ids: torch.Tensor, mask: torch.Tensor, reps: int, dev
     return cache
 
 
-def pack_responses(seqs: list[tuple[list[int], list[int]]], groups: list[int], device: torch.device) -> PackedBatch:
+def pack_responses(seqs: list[tuple[list[int], list[int]]], groups: list[int], device: torch.device,
+                   masks: list[list[int]] | None = None) -> PackedBatch:
     """(prompt ids, response ids) per sample and its group index -> the rollout's PackedBatch, its
     fields on ``device`` (the worker's: every round of a step, DAPO's refills too, lands where the
-    step's data lives; ``seq_lens`` stays on the host, as ``PackedBatch`` keeps it)."""
+    step's data lives; ``seq_lens`` stays on the host, as ``PackedBatch`` keeps it).
+
+    Args:
+        masks: each response's ``response_mask`` [len(response)] (a multi-turn trajectory's 0s on
+            tool tokens); None: all 1, every response token sampled by the model.
+    """
     def field(values, dtype):
         return torch.tensor(values, dtype=dtype, device=device)
 
+    if masks is None:
+        masks = [[1] * len(r) for _, r in seqs]
     return PackedBatch(
         seq_lens=torch.tensor([len(p) + len(r) for p, r in seqs], dtype=torch.long, device="cpu"),
         token_fields={"input_ids": field([t for p, r in seqs for t in p + r], torch.long),
-                      "response_mask": field([m for p, r in seqs for m in [0] * len(p) + [1] * len(r)],
-                                             torch.int8)},
+                      "response_mask": field([m for (p, _), mask in zip(seqs, masks, strict=True)
+                                              for m in [0] * len(p) + mask], torch.int8)},
         sample_fields={
             "prompt_len": field([len(p) for p, _ in seqs], torch.long),
             "response_len": field([len(r) for _, r in seqs], torch.long),

@@ -24,7 +24,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from distflow.data.batch import PackedBatch
-from distflow.engines.rollout import SamplingParams
+from distflow.engines.rollout import SamplingParams, pack_responses
 from distflow.multiturn.calls import parse_hermes_calls
 from distflow.multiturn.loading import Tool, load_environment, load_tools
 from distflow.multiturn.pool import ERROR_KINDS, CallResult, run_concurrently
@@ -275,22 +275,15 @@ def pack_trajectories(trajectories: list[Trajectory], log_probs: bool, env_rewar
         log_probs: add ``rollout_log_probs`` [T_total] float32 (0 off the model's ids).
         env_reward: add ``env_reward`` [B] float32, the summed environment rewards.
     """
-    def field(values, dtype):
-        return torch.tensor(values, dtype=dtype, device=device)
-
-    seqs = [tr.prompt + tr.ids for tr in trajectories]
-    token = {"input_ids": field([t for s in seqs for t in s], torch.long),
-             "response_mask": field([m for tr in trajectories for m in [0] * len(tr.prompt) + tr.mask], torch.int8)}
+    batch = pack_responses([(tr.prompt, tr.ids) for tr in trajectories], [tr.group for tr in trajectories], device,
+                           masks=[tr.mask for tr in trajectories])
+    token, sample = {}, {}
     if log_probs:
-        token["rollout_log_probs"] = field([x for tr in trajectories for x in [0.0] * len(tr.prompt) + tr.log_probs],
-                                           torch.float32)
-    sample = {"prompt_len": field([len(tr.prompt) for tr in trajectories], torch.long),
-              "response_len": field([len(tr.ids) for tr in trajectories], torch.long),
-              "group_index": field([tr.group for tr in trajectories], torch.long)}
+        token["rollout_log_probs"] = torch.tensor(
+            [x for tr in trajectories for x in [0.0] * len(tr.prompt) + tr.log_probs], dtype=torch.float32, device=device)
     if env_reward:
-        sample["env_reward"] = field([tr.env_reward for tr in trajectories], torch.float32)
-    return PackedBatch(seq_lens=torch.tensor([len(s) for s in seqs], dtype=torch.long),
-                       token_fields=token, sample_fields=sample)
+        sample["env_reward"] = torch.tensor([tr.env_reward for tr in trajectories], dtype=torch.float32, device=device)
+    return batch.with_fields(token=token, sample=sample)
 
 
 def generate_multi_turn(engine, tokenizer, spec: JobSpec, records: Sequence[Any], group_index: list[int],
