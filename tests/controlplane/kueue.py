@@ -35,6 +35,9 @@ from tests.controlplane.cluster import ControlPlane, ControlPlaneError, free_por
 
 HERE = Path(__file__).resolve().parent
 BUILD_SCRIPT = HERE / "build_kueue.sh"
+MANAGED_LABEL = "kueue.x-k8s.io/managed"
+MANAGED_FINALIZER = "kueue.x-k8s.io/managed"
+"""The label of the pods Kueue manages, and the finalizer it holds them by."""
 KUEUE_NAMESPACE_LABEL = ("distflow.io/kueue-test", "enabled")
 WEBHOOK_PREFIX = "distflow-test-kueue"
 SERVED_GROUPS = {"", "kueue.x-k8s.io"}
@@ -119,8 +122,19 @@ class Kueue(Addon):
         self.spawn("kueue", cmd)
 
     def stop(self) -> None:
-        """Remove the webhook configurations first (pods must not wait on a stopped webhook), then Kueue."""
+        """Remove the webhook configurations first (pods must not wait on a stopped webhook), then Kueue,
+        then Kueue's finalizer from the pods it still held: the last test's namespace is still being
+        deleted, and a pod that keeps the finalizer stays Terminating on its node, with its GPUs,
+        for every later test of the session."""
         for kind in ("mutating", "validating"):
             self.cp.kubectl("delete", "--ignore-not-found", f"{kind}webhookconfiguration",
                             f"{WEBHOOK_PREFIX}-{kind}")
         super().stop()
+        _, pods = self.cp.request("GET", f"/api/v1/pods?labelSelector={MANAGED_LABEL}%3Dtrue", expect=(200,))
+        for pod in pods.get("items", []):
+            meta = pod["metadata"]
+            kept = [f for f in meta.get("finalizers") or [] if f != MANAGED_FINALIZER]
+            if kept != (meta.get("finalizers") or []):
+                self.cp.request("PATCH", f"/api/v1/namespaces/{meta['namespace']}/pods/{meta['name']}",
+                                {"metadata": {"finalizers": kept, "resourceVersion": meta["resourceVersion"]}},
+                                content_type="application/merge-patch+json", expect=(200, 404, 409))
