@@ -33,8 +33,16 @@ def test_the_trainer_pool_takes_the_first_ranks_and_the_rollout_pool_the_last_no
     text = plan.describe()
     assert "asynchronous: maxStaleness=1" in text
     assert "layout train    dp=4 tp=1 balanced=yes pool=trainer ranks 0-3 nodes 0-1" in text
-    assert "layout rollout  dp=2 tp=1 balanced=no pool=rollout ranks 4-5 nodes 2-2" in text
+    assert "layout rollout  dp=2 tp=1 balanced=no  pool=rollout ranks 4-5 node 2" in text
+    layouts = [line for line in text.splitlines() if line.startswith("layout ")]
+    assert len({line.index(" pool=") for line in layouts}) == 1, layouts  # one column
+    assert len({line.index(" rank") for line in layouts}) == 1, layouts
     assert "advantage -> actor_update: redistribute (cross-pool: rollout ranks -> trainer ranks" in text
+
+
+def test_a_pool_of_one_rank_reads_rank_n_not_a_range():
+    text = build_plan(_spec(per_node=1)).describe()
+    assert "pool=rollout rank 2 node 2" in text and "pool=trainer ranks 0-1 nodes 0-1" in text
 
 
 def test_on_policy_or_uncorrected_plans_no_old_log_prob_pass():

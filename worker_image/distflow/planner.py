@@ -108,14 +108,17 @@ class Plan:
             lines.append(f"asynchronous: maxStaleness={self.staleness} (the rollout pool runs up to "
                          f"{self.staleness} step{'s' if self.staleness != 1 else ''} ahead of the trainer pool; "
                          "the samples cross once per step, at the first train node)")
+        def span(noun: str, first: int, last: int) -> str:
+            return f"{noun} {first}" if first == last else f"{noun}s {first}-{last}"
+
         for lay in self.layouts.values():
             where = ""
             if self.pooled:
                 last = lay.first_rank + lay.num_ranks - 1
-                where = (f" pool={'trainer' if lay.name == TRAIN else 'rollout'} ranks {lay.first_rank}-{last} "
-                         f"nodes {lay.first_rank // per_node}-{last // per_node}")
+                where = (f" pool={'trainer' if lay.name == TRAIN else 'rollout':7s} {span('rank', lay.first_rank, last)} "
+                         f"{span('node', lay.first_rank // per_node, last // per_node)}")
             lines.append(f"layout {lay.name:8s} dp={lay.dp_size} tp={lay.tp_size} "
-                         f"balanced={'yes' if lay.balanced else 'no'}{where}")
+                         f"balanced={'yes' if lay.balanced else 'no ':3s}{where}")
         lines.append("task chain:")
         widths = [max(len(getattr(n, key)) for n in self.chain) for key in ("id", "role", "kind", "placement")]
         number = len(str(len(self.chain) - 1))
