@@ -184,6 +184,25 @@ def test_set_value_with_broken_brackets_and_binary_config_are_clear_errors(tmp_p
         load_job_spec(binary)
 
 
+def test_set_addresses_list_items_by_index_and_names_the_list_when_it_cannot(tmp_path):
+    from distflow.spec import apply_overrides, load_job_spec
+
+    doc = {"rollout": {"multiTurn": {"tools": [{"function": "m:f"}, {"function": "m:g"}]}}}
+    apply_overrides(doc, ["rollout.multiTurn.tools.1.timeoutSeconds=5", "rollout.multiTurn.tools.0=m:h"])
+    assert doc["rollout"]["multiTurn"]["tools"] == ["m:h", {"function": "m:g", "timeoutSeconds": 5}]
+    for bad in ("rollout.multiTurn.tools.2.timeoutSeconds=5", "rollout.multiTurn.tools.name=x"):
+        with pytest.raises(DistflowConfigError, match=r"rollout.multiTurn.tools is a list of 2 item\(s\); "
+                                                      r"address one by its index 0..1"):
+            apply_overrides(doc, [bad])
+    with pytest.raises(DistflowConfigError, match=r"--set rollout.multiTurn.tools.1.function.x: "
+                                                  r"rollout.multiTurn.tools.1.function is 'm:g', not a mapping"):
+        apply_overrides(doc, ["rollout.multiTurn.tools.1.function.x=1"])
+    # the shipped example, through the loader a user calls
+    spec = load_job_spec("examples/multiturn_calculator.yaml",
+                         ["rollout.multiTurn.tools.0.toolSchema.function.description=Adds numbers."])
+    assert spec.rollout.multi_turn.tools[0].tool_schema.function.description == "Adds numbers."
+
+
 def test_group_estimator_with_one_response_per_prompt_is_rejected():
     with pytest.raises(DistflowConfigError, match="spec.rollout.n: grpo compares each response"):
         parse_spec({**MINIMAL, "rollout": {"n": 1}})

@@ -36,7 +36,8 @@ def _parser() -> argparse.ArgumentParser:
         c = sub.add_parser(name, help=text)
         c.add_argument("config", help="local run config or RLPostTrainJob YAML")
         c.add_argument("--set", dest="overrides", action="append", default=[], metavar="PATH=VALUE",
-                       help="override a spec field, e.g. --set data.train.path=train.jsonl")
+                       help="override a spec field (the value read as YAML), e.g. --set data.train.path=train.jsonl; "
+                            "a number picks a list item: --set rollout.multiTurn.tools.0.function=m:f")
         if name == "run":
             c.add_argument("--no-resume", action="store_true", help="start over: move the previous run's checkpoints and logs aside (<name>.previous)")
             c.add_argument("--resume", action="store_true",

@@ -122,10 +122,12 @@ def spec_from_manifest(doc: dict[str, Any]) -> JobSpec:
 def apply_overrides(doc: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
     """Apply `a.b.c=value` overrides (values parsed as YAML) to a spec mapping.
 
-    The path is relative to the spec (``data.train.path=...``).
+    The path is relative to the spec (``data.train.path=...``); a number addresses an item of a
+    list that is already there (``rollout.multiTurn.tools.0.timeoutSeconds=5``).
 
     Raises:
-        DistflowConfigError: an override is not `path=value`.
+        DistflowConfigError: an override is not `path=value`, or its path goes through a value
+            that is neither a mapping nor a list, or names a list item that does not exist.
     """
     target = doc["spec"] if doc.get("kind") == KIND else doc
     for item in overrides:
@@ -134,11 +136,27 @@ def apply_overrides(doc: dict[str, Any], overrides: list[str]) -> dict[str, Any]
             raise DistflowConfigError(f"--set {item!r}: expected path=value, e.g. data.train.path=train.jsonl")
         node = target
         parts = key.split(".")
-        for part in parts[:-1]:
-            node = node.setdefault(part, {})
+        for depth, part in enumerate(parts):
+            where = ".".join(parts[:depth]) or "the spec"
+            last = depth == len(parts) - 1
+            if isinstance(node, list):
+                if not part.isdigit() or int(part) >= len(node):
+                    raise DistflowConfigError(
+                        f"--set {key}: {where} is a list of {len(node)} item(s); address one by its index "
+                        f"0..{len(node) - 1} (e.g. {where}.0.<field>), or set the whole list with "
+                        f"{where}=[...]")
+                index = int(part)
+                if last:
+                    node[index] = _override_value(key, raw)
+                else:
+                    node = node[index]
+                continue
             if not isinstance(node, dict):
-                raise DistflowConfigError(f"--set {key}: {part} is not a mapping")
-        node[parts[-1]] = _override_value(key, raw)
+                raise DistflowConfigError(f"--set {key}: {where} is {node!r}, not a mapping or a list")
+            if last:
+                node[part] = _override_value(key, raw)
+            else:
+                node = node.setdefault(part, {})
     return doc
 
 
