@@ -51,7 +51,8 @@ def _machine_text(results: dict) -> str:
     entries = [e for e in results.values() if isinstance(e, dict) and "machine" in e]
     if not entries:
         return "Machine: recorded with each section once it has run."
-    machines = sorted({(e["machine"]["cores"], e["machine"]["memory_gib"], bool(e["machine"].get("cuda")))
+    # Whole GiB: MemTotal moves by a fraction of a GiB between boots of the same machine.
+    machines = sorted({(e["machine"]["cores"], round(e["machine"]["memory_gib"]), bool(e["machine"].get("cuda")))
                        for e in entries})
     described = "; ".join(f"{c} CPU cores, {m} GiB, {'a' if gpu else 'no'} GPU" for c, m, gpu in machines)
     cores = min(c for c, _, _ in machines)
