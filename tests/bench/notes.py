@@ -51,7 +51,8 @@ def _machine_text(results: dict) -> str:
     entries = [e for e in results.values() if isinstance(e, dict) and "machine" in e]
     if not entries:
         return "Machine: recorded with each section once it has run."
-    machines = sorted({(e["machine"]["cores"], e["machine"]["memory_gib"], bool(e["machine"].get("cuda")))
+    # Whole GiB: MemTotal moves by a fraction of a GiB between boots of the same machine.
+    machines = sorted({(e["machine"]["cores"], round(e["machine"]["memory_gib"]), bool(e["machine"].get("cuda")))
                        for e in entries})
     described = "; ".join(f"{c} CPU cores, {m} GiB, {'a' if gpu else 'no'} GPU" for c, m, gpu in machines)
     cores = min(c for c, _, _ in machines)
@@ -421,6 +422,16 @@ def gpu_target_row(gpu: dict | None) -> list[str]:
             _status(bool(gpu.get("ok")) and (mfu or 0) >= 0.40)]
 
 
+def resize_target_row(resize: dict) -> list[str]:
+    """The targets table's row for the resize cost: each direction against its target."""
+    target = "resize cost (scale request -> next step) < one step + worker start (CPU, SmolLM2, 2 -> 4 -> 2)"
+    if "resizes" not in resize:
+        return [target, resize.get("error", "not run")[:120], _status(None)]
+    measured = "; ".join(f"{r['from']} -> {r['to']}: {r['phases']['total']:.1f} s vs {r['target_seconds']:.1f} s "
+                         f"({r['ratio']:.2f}x)" for r in resize["resizes"])
+    return [target, measured, _status(all(r["met"] for r in resize["resizes"]))]
+
+
 def _e2e_ratios(e2e: dict) -> str:
     """The measured ratio (workers x threads as set), and the 1-worker check's when it ran."""
     summary, settings = e2e["summary"], e2e["settings"]
@@ -548,6 +559,7 @@ def targets_table(results: dict, tables: dict, gpu: dict | None) -> str:
         rows.append(["each worker's peak <= 1.5 x (model + grad + optimizer shards + rollout weights)",
                      f"worst {worst:.2f}x", _status(worst <= 1.5)])
     rows.append(gpu_target_row(gpu))
+    rows.append(resize_target_row(_get(results, "resize")))
     table = "## Targets\n\n" + md_table(["target (issue)", "measured", "status"], rows)
     if any("*out of date*" in row[1] for row in rows):
         table += ("\n\n*out of date*: from results recorded before the current runtime (the section's "

@@ -353,6 +353,91 @@ def render_logprob(result: dict) -> str:
                     rows)
 
 
+RESIZE_FIXES = {
+    "step in flight": "only a shorter step shortens it: the gang stops at a step boundary, and the "
+                      "request was made just after one (the worst case)",
+    "checkpoint + exit": "the stop writes the model and both Adam moments (float32: 12 bytes a parameter, "
+                         "1.6 GB for SmolLM2) with fsync before a worker exits; keeping the surviving "
+                         "workers and resharding their state in memory, or writing it to node-local memory "
+                         "for the next attempt, would spare most of it",
+    "pods recreated": "keep the pods that both sizes have (re-rendezvous them in place) instead of deleting "
+                      "the gang and waiting for the deletion before creating the new one",
+    "worker start": "start the worker processes from a warm pool (or fork them from the node process) "
+                    "instead of a fresh interpreter that imports torch",
+    "resume": "the new workers build the model from the pretrained files, then read the checkpoint's "
+              "model and Adam state over it at the new world size; building it from the checkpoint alone "
+              "(on the meta device), read from node-local memory, would spare the first and shorten the "
+              "second",
+    "first step": "nothing resize-specific: the first step of a process is slower than the next ones",
+}
+"""What would shorten each phase of a resize when it is the one that dominates."""
+
+
+def render_resize(result: dict) -> str:
+    """Section 11: ``tests.bench.resize_cost``."""
+    from tests.bench import resize_cost
+
+    phases = resize_cost.PHASES
+    rows = []
+    for r in result["resizes"]:
+        rows.append([f"{r['from']} -> {r['to']}", f"**{r['phases']['total']:.1f}**",
+                     *[f"{r['phases'][p]:.1f}" for p in phases], f"{r['target_seconds']:.1f}",
+                     f"{r['ratio']:.2f}", "met" if r["met"] else "**missed**", f"{r['operator_cost_seconds']:g}"])
+        rows.append(["over its share of the target", f"{r['phases']['total'] - r['target_seconds']:+.1f}",
+                     *[f"{r['excess'][p]:+.1f}" for p in phases], "", "", "", ""])
+    costs = md_table(["resize", "cost (s)", *phases, "target (s)", "cost / target", "target",
+                      "lastResize.costSeconds"], rows)
+    fresh = md_table(["fresh start", *resize_cost.FRESH_PHASES, "total (s)"],
+                     [[f"{n} nodes", *[f"{f[p]:.1f}" for p in resize_cost.FRESH_PHASES], f"{f['total']:.1f}"]
+                      for n, f in sorted(result["fresh_start"].items())])
+    medians = result["median_step_seconds"]
+    reference = ("Reference: median step " + ", ".join(f"{medians[n]:.1f} s at {n} nodes" for n in sorted(medians))
+                 + " (each attempt's first step left out); steps: "
+                 + ", ".join(f"{k}: {v:.1f}" for k, v in result["step_seconds"].items()) + " s.")
+    reference += (" One run on 2 cores: 4 nodes (4 node processes and 4 workers) oversubscribe them, so "
+                  "every 4-node figure, step and start alike, is slower than the 2-node one; this measures what a "
+                  "resize costs, not what it gains.")
+    checks = "Checks in this run: " + "; ".join(f"{name}: {'yes' if ok else '**no**'}"
+                                               for name, ok in result["checks"].items()) + \
+        f". Status at the end: {result['status']}."
+    reading = ["Each phase's share of the target: the step in flight's is the median step at the size "
+               "left, worker start's, resume's and the first step's are the fresh start's worker start, "
+               "initialisation and first step; checkpoint + exit and pods recreated have none."]
+    for r in result["resizes"]:
+        start, over = result["fresh_start"][str(r["to"])], r["largest_excess"]
+        text = (f"{r['from']} -> {r['to']}: {r['phases']['total']:.1f} s against {r['target_seconds']:.1f} s "
+                f"(step {medians[str(r['from'])]:.1f} s + fresh start at {r['to']} nodes {start['total']:.1f} s), "
+                + (f"met with {r['target_seconds'] - r['phases']['total']:.1f} s to spare" if r["met"] else
+                   f"missed by {r['phases']['total'] - r['target_seconds']:.1f} s ({r['ratio'] - 1:.0%})")
+                + f". Its largest part is {r['dominant']} ({r['phases'][r['dominant']]:.1f} s); the part most "
+                f"over its share is {over} ({r['excess'][over]:+.1f} s)")
+        reading.append(text + ("." if r["met"] else f": {RESIZE_FIXES[over]}."))
+    doc = resize_cost.__doc__.split(chr(10) * 2, 1)[1].strip()
+    return "\n\n".join([doc, f"Settings: {result['settings']}.", costs, fresh, reference, checks,
+                         *reading, _resize_plot(result)])
+
+
+def _resize_plot(result: dict) -> str:
+    from tests.bench import resize_cost
+
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(8, 3.2))
+    labels = [f"{r['from']} -> {r['to']}" for r in result["resizes"]]
+    for y, r in enumerate(result["resizes"]):
+        left = 0.0
+        for k, phase in enumerate(resize_cost.PHASES):
+            width = r["phases"][phase]
+            ax.barh(y, width, left=left, color=f"C{k}", label=phase if y == 0 else None)
+            left += width
+        ax.plot([r["target_seconds"]] * 2, [y - 0.4, y + 0.4], "k--", lw=1.5,
+                label="target" if y == 0 else None)
+    ax.set_yticks(range(len(labels)), labels=labels)
+    ax.invert_yaxis()
+    ax.set_xlabel("seconds from the scale request")
+    ax.legend(fontsize=7, ncol=4, loc="upper center", bbox_to_anchor=(0.5, -0.25))
+    return save_figure(fig, "resize_cost.png")
+
+
 def render_gpu(result: dict | None) -> str:
     if not result:
         return "**Not run yet.** No GPU machine was lent to a session since the check was written."

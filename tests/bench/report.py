@@ -26,7 +26,7 @@ import traceback
 from tests.bench import render, scaling_model
 from tests.bench._common import DOCS_DIR, FIGURES_DIR, REPO_ROOT, machine_info, md_table
 
-SECTIONS = ("funnel", "balancer", "double_buffer", "e2e", "memory", "loading", "logprob", "async")
+SECTIONS = ("funnel", "balancer", "double_buffer", "e2e", "memory", "loading", "logprob", "async", "resize")
 RESULTS = FIGURES_DIR / "results.json"
 COMMAND = "PYTHONPATH=worker_image:operator:. python -m tests.bench.report"
 PLANNERS = {
@@ -36,7 +36,7 @@ PLANNERS = {
 """Per-edge planning the projection is computed for (keys of the balancer's ``plan_scaling``
 rows). Results recorded before the runtime took over the bench prototype hold prototype
 variants as well; they are not projected."""
-MIN_FREE_GIB = {"e2e": 7.0, "memory": 7.0, "loading": 7.0, "async": 7.0}
+MIN_FREE_GIB = {"e2e": 7.0, "memory": 7.0, "loading": 7.0, "async": 7.0, "resize": 7.0}
 """Free memory the model-training sections wait for: the machine is shared."""
 
 
@@ -65,6 +65,9 @@ def _run_section(name: str) -> dict:
     if name == "async":
         from tests.bench import async_pools
         return async_pools.run()
+    if name == "resize":
+        from tests.bench import resize_cost
+        return resize_cost.run()
     raise ValueError(f"unknown section {name!r}; choose from {', '.join(SECTIONS)}")
 
 
@@ -296,6 +299,8 @@ def write_report(results: dict) -> str:
              _section_header(results, "async", "9. Asynchronous training: sync vs two pools"),
              _body(results, "async", render.render_async),
              "## 10. GPU", notes.GPU, render.render_gpu(gpu),
+             _section_header(results, "resize", "11. Resize cost: 2 -> 4 -> 2 nodes on the e2e kubelet"),
+             _body(results, "resize", render.render_resize),
              notes.runtime_changes(results, tables)]
     text = "\n\n".join(p.strip("\n") for p in parts if p) + "\n"
     (DOCS_DIR / "benchmarks.md").write_text(text)

@@ -97,6 +97,19 @@ class ContainerExit:
     log: Path
 
 
+@dataclass(frozen=True)
+class ContainerEvent:
+    """A moment of one container's life as this kubelet saw it (benchmarks time phases with these)."""
+
+    time_s: float
+    """``time.time()`` when seen: the process spawned, the probe answered, the exit reaped (each within
+    one pass, ``poll_s`` plus an API round trip, of the moment itself)."""
+    pod: str
+    attempt: str
+    what: str
+    """``started``, ``ready`` or ``exited``."""
+
+
 @dataclass
 class _Running:
     pod: str
@@ -172,13 +185,14 @@ class LocalKubelet:
         poll_s: how often the pods are listed and the processes checked.
 
     ``exits`` lists every container that ended (also ones stopped by deletion);
-    ``kill`` injects a crash. An error inside the kubelet's loop is raised
+    ``events`` when each container started, became ready and exited; ``kill`` injects a crash. An error inside the kubelet's loop is raised
     from ``stop()``.
     """
 
     def __init__(self, control_plane: Any, namespace: str, workdir: Path, poll_s: float = 0.25):
         self.cp, self.ns, self.workdir, self.poll_s = control_plane, namespace, Path(workdir), poll_s
         self.exits: list[ContainerExit] = []
+        self.events: list[ContainerEvent] = []
         self._running: dict[str, _Running] = {}  # by pod uid
         self._done: set[str] = set()  # uids that ran (a kubelet never restarts a restartPolicy=Never pod)
         self._host_ports: dict[tuple[str, int], int] = {}  # (uid, containerPort) -> host port
@@ -415,6 +429,7 @@ class LocalKubelet:
                        container.get("terminationMessagePolicy") == "FallbackToLogsOnError", _now(), forwarders,
                        config_maps=config_maps)
         self._running[uid] = run
+        self._event(run, "started")
         self._patch_status(run, {"phase": "Running", "hostIP": "127.0.0.1", "podIP": pod_ip,
                                  "podIPs": [{"ip": pod_ip}], "startTime": run.started_at,
                                  "conditions": self._conditions(ready=False, reason="ContainersNotReady"),
@@ -442,6 +457,9 @@ class LocalKubelet:
                 "containerID": f"local://{run.proc.pid}", "ready": run.ready, "restartCount": 0,
                 "started": "running" in state, "state": full}
 
+    def _event(self, run: _Running, what: str) -> None:
+        self.events.append(ContainerEvent(time.time(), run.pod, run.attempt, what))
+
     def _patch_status(self, run: _Running, status: dict[str, Any]) -> None:
         """Queue a status update of the pod; sent in order, retried until the API answers."""
         self._outbox.append((run.pod, run.uid, status))
@@ -466,6 +484,7 @@ class LocalKubelet:
             except OSError:
                 return
         if run.ready:
+            self._event(run, "ready")
             self._patch_status(run, {"conditions": self._conditions(ready=True, reason=""),
                                      "containerStatuses": [self._container_status(run, {
                                          "running": {"startedAt": run.started_at}})]})
@@ -502,6 +521,7 @@ class LocalKubelet:
         self._running.pop(run.uid, None)
         self._done.add(run.uid)
         self.exits.append(ContainerExit(run.pod, run.uid, run.attempt, code, message, run.log))
+        self._event(run, "exited")
         run.ready = False
         if report:
             terminated = {"exitCode": code, "reason": "Completed" if code == 0 else "Error",

@@ -10,34 +10,30 @@ lost, none repeated), and that run's final parameters and optimizer state bit fo
 
 from __future__ import annotations
 
-import json
 import os
-import re
 import time
 from pathlib import Path
 
 import pytest
-import yaml
 
 from distflow import sample_ids
 from distflow.spec import parse_spec
 from tests.dist._jobs import bit_identical, final_checkpoint
-from tests.e2e.kubelet import LocalKubelet
-from tests.e2e.test_e2e_job import (  # noqa: F401  (fixtures)
-    JOB_TIMEOUT_S, JOB_YAML, _steps, _wait_finished, cluster, namespace,
+from tests.e2e.harness import (
+    JOB_TIMEOUT_S, STOPPED, apply_job, job_doc, trained_past, trained_steps, wait_finished,
 )
+from tests.e2e.kubelet import LocalKubelet
+from tests.e2e.test_e2e_job import cluster, namespace  # noqa: F401  (fixtures)
 from tests.operator._helpers import Api, dump, operator_kubeconfig, operator_running, wait_for
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1500)]
 
 TOTAL_STEPS = 10
-STOPPED = re.compile(r"distflow: stopping after step (\d+) for a resize to (\d+) nodes \(checkpoint saved\)")
 
 
 def _manifest(name: str, tmp_path: Path) -> dict:
     """The e2e job with a batch that 2 and 3 nodes both divide, resizable up to 3 nodes."""
-    doc = yaml.safe_load(JOB_YAML.format(name=name, model="tiny", total_steps=TOTAL_STEPS, log_dir=tmp_path / "logs",
-                                         checkpoint_dir=tmp_path / "checkpoints"))
+    doc = job_doc(name, tmp_path, TOTAL_STEPS)
     doc["spec"]["data"]["trainBatchSize"] = 6
     doc["spec"]["cluster"]["maxNodes"] = 3
     doc["spec"]["checkpoint"]["saveEverySteps"] = 0  # only the resizes (and the last step) save
@@ -47,10 +43,6 @@ def _manifest(name: str, tmp_path: Path) -> dict:
 def _scale(cluster, namespace: str, name: str, replicas: int) -> None:
     out = cluster.kubectl("scale", "-n", namespace, "rljob", name, f"--replicas={replicas}")
     assert out.returncode == 0, out.stderr
-
-
-def _trained_past(log_dir: Path, step: int):
-    return lambda: (log_dir / "metrics.jsonl").is_file() and max(_steps(log_dir), default=0) > step
 
 
 def _by_hand(spec_doc: dict, tmp_path: Path, stops: list[tuple[int, int]]) -> Path:
@@ -88,24 +80,22 @@ def test_scale_2_3_2_mid_run_loses_and_repeats_nothing_and_ends_as_a_run_resized
     kubeconfig = operator_kubeconfig(cluster, namespace, tmp_path)
     with (operator_running(kubeconfig, namespace, PROGRESS_INTERVAL="0.3"),
           LocalKubelet(cluster, namespace, tmp_path / "kubelet") as kubelet):
-        # JSON: kubectl's YAML 1.1 parser would read rollout's bare key n as false.
-        out = cluster.kubectl("apply", "-n", namespace, "-f", "-", input=json.dumps(doc, default=str))
-        assert out.returncode == 0, out.stderr
-        wait_for(_trained_past(logs, 0), JOB_TIMEOUT_S, what=lambda: f"step 1 at 2 nodes ({kubelet.log_tails()})")
+        apply_job(cluster, namespace, doc)
+        wait_for(trained_past(logs, 0), JOB_TIMEOUT_S, what=lambda: f"step 1 at 2 nodes ({kubelet.log_tails()})")
         asked = time.monotonic()
         _scale(cluster, namespace, name, 3)
         up = wait_for(lambda: (api.status(name).get("lastResize") or {}).get("to") == 3 and api.status(name),
                       JOB_TIMEOUT_S, what=lambda: f"resized to 3 ({dump(api.status(name))}\n{kubelet.log_tails()})")
         first = [int(m[1]) for m in STOPPED.finditer(kubelet.log_tails(5000))]
         assert len(first) == 1, kubelet.log_tails()
-        wait_for(_trained_past(logs, first[0]), JOB_TIMEOUT_S, what="a step at 3 nodes")
+        wait_for(trained_past(logs, first[0]), JOB_TIMEOUT_S, what="a step at 3 nodes")
         up_s, asked = time.monotonic() - asked, time.monotonic()
         _scale(cluster, namespace, name, 2)
         wait_for(lambda: (api.status(name).get("lastResize") or {}).get("to") == 2, JOB_TIMEOUT_S, what="resized to 2")
         second = max(int(m[1]) for m in STOPPED.finditer(kubelet.log_tails(5000)))
-        wait_for(_trained_past(logs, second), JOB_TIMEOUT_S, what="a step at 2 nodes")
+        wait_for(trained_past(logs, second), JOB_TIMEOUT_S, what="a step at 2 nodes")
         down_s = time.monotonic() - asked
-        status = _wait_finished(api, name, kubelet, timeout_s=2 * JOB_TIMEOUT_S)
+        status = wait_finished(api, name, kubelet, timeout_s=2 * JOB_TIMEOUT_S)
         node_logs = kubelet.log_tails(5000)
     report_figure(f"resize on the e2e kubelet (tiny model, CPU): 2 -> 3 nodes {up_s:.1f} s from kubectl scale to "
                   f"the next step done ({up['lastResize']['costSeconds']:g} s stop -> all pods running), 3 -> 2 "
@@ -128,7 +118,7 @@ def test_scale_2_3_2_mid_run_loses_and_repeats_nothing_and_ends_as_a_run_resized
     assert len(resized) == 2 and not [e for e in events if e["reason"] == "NodeFailed"], dump(events)
 
     # Every step trained once (each resize's checkpoint is of the step it stopped after) ...
-    assert _steps(logs) == list(range(1, TOTAL_STEPS + 1)), _steps(logs)
+    assert trained_steps(logs) == list(range(1, TOTAL_STEPS + 1)), trained_steps(logs)
     ids = sample_ids.read(logs)
     # ... on prompts never trained before (10 steps x 6 prompts fit in one epoch of 64) ...
     prompts = [set(step_ids) for _, step_ids in sorted(ids.items())]
