@@ -15,8 +15,9 @@ import pytest
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(3900)]
 
 TIER_TIMEOUT_S = 3600
-"""About 6 min on 2 quiet cores, and 5 more for the rollout pool's tests (tests/vllm/test_vllm_pool.py:
-110 s and 175 s; 4.5 and 5.5 min on 2 loaded cores); generous for a loaded machine."""
+"""About 6 min on 2 quiet cores, 5 more for the rollout pool's tests (tests/vllm/test_vllm_pool.py:
+110 s and 175 s; 4.5 and 5.5 min on 2 loaded cores) and 11 more for the multi-turn ones
+(tests/vllm/test_vllm_multiturn.py, on 2 loaded cores); generous for a loaded machine."""
 
 REPO = Path(__file__).resolve().parents[1]
 

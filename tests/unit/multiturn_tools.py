@@ -49,3 +49,14 @@ class BrokenReset(Countdown):
 
     def reset(self, record):
         raise KeyError("no such task")
+
+
+class RankTurns(Countdown):
+    """Done after 1 + 2 x RANK steps (the worker's rank in the job): ranks 0 and 1 of a two-worker
+    job run 1 and 3 model turns per trajectory, so one rank generates while the other is done."""
+
+    def reset(self, record):
+        import os
+
+        self.left = 1 + 2 * int(os.environ.get("RANK", "0"))
+        return None

@@ -63,9 +63,22 @@ def test_bad_sections_are_rejected_naming_the_field(turns, field, fix):
     assert field in message and fix in message, message
 
 
-def test_the_vllm_engine_is_refused_with_the_way_out():
-    message = rejected({"engine": "vllm"}, environment=f"{TOOLS}:Countdown")
-    assert "rollout.multiTurn.enable" in message and "rollout.engine: hf" in message
+def test_the_vllm_engine_runs_multi_turn_rollouts():
+    s = spec({"engine": "vllm"}, environment=f"{TOOLS}:Countdown")
+    assert s.rollout.engine == "vllm" and s.rollout.multi_turn.enable
+
+
+def test_a_tensor_parallel_vllm_engine_is_refused_with_the_way_out():
+    doc = {"model": {"path": "tiny"}, "data": {"train": {"path": "arithmetic"}, "trainBatchSize": 4},
+           "cluster": {"numNodes": 1, "procsPerNode": 2},
+           "rollout": {"engine": "vllm", "tensorParallelSize": 2,
+                       "multiTurn": {"enable": True, "environment": f"{TOOLS}:Countdown"}}}
+    parse_spec({**doc, "rollout": {**doc["rollout"], "multiTurn": {"enable": False}}})  # fine without multi-turn
+    with pytest.raises((ValueError, DistflowConfigError)) as err:
+        parse_spec(doc)
+    message = str(err.value)
+    assert "rollout.tensorParallelSize: 2; multi-turn" in message and "set it to 1" in message, message
+    assert message.count("rollout.tensorParallelSize") == 1, message  # the only problem of the config
 
 
 @pytest.mark.parametrize("turns, field, fix", [

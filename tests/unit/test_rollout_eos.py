@@ -56,8 +56,7 @@ def test_response_stops_at_a_second_eos_id_of_the_generation_config(model):
 
 
 def test_eos_ids_are_the_union_of_tokenizer_and_generation_config():
-    model = SimpleNamespace(generation_config=SimpleNamespace(eos_token_id=[2, 7]))
-    assert eos_token_ids(model, SimpleNamespace(eos_token_id=5)) == [2, 5, 7]
-    assert eos_token_ids(SimpleNamespace(generation_config=SimpleNamespace(eos_token_id=None)),
-                         SimpleNamespace(eos_token_id=5)) == [5]
-    assert eos_token_ids(SimpleNamespace(), SimpleNamespace(eos_token_id=5)) == [5]
+    tokenizer = SimpleNamespace(eos_token_id=5)
+    assert eos_token_ids(tokenizer, SimpleNamespace(eos_token_id=[2, 7])) == [2, 5, 7]
+    assert eos_token_ids(tokenizer, SimpleNamespace(eos_token_id=None)) == [5]
+    assert eos_token_ids(tokenizer, None) == [5]

@@ -1,7 +1,8 @@
-"""The vLLM engine's GPU and its sleep cycle, against a fake ``vllm`` (no GPU, no vLLM needed).
+"""The vLLM engine's GPU, its sleep cycle and its multi-turn session, against a fake ``vllm``
+(no GPU, no vLLM needed).
 
 The fake ``vllm.LLM`` records its constructor's environment (vLLM's external launcher takes
-``cuda:LOCAL_RANK``) and every call the engine makes, in order.
+``cuda:LOCAL_RANK``), every call the engine makes, in order, and each generate call's requests.
 """
 
 import os
@@ -14,8 +15,12 @@ import torch
 
 from distflow import launcher
 from distflow.engines.fsdp import select_device
-from distflow.engines.rollout import SamplingParams
+from distflow import models
+from distflow.engines.rollout import SamplingParams, sample_seed
 from distflow.engines.vllm_rollout import VllmConfig, VllmRollout
+from distflow.metrics import StepMetrics
+from distflow.multiturn.render import render_delta
+from distflow.multiturn.rollout import generate_multi_turn, turn_seed
 from distflow.ray_launcher import torchrun_environ, worker_env_from_environ
 from distflow.spec import parse_spec
 from distflow.worker import DagWorker, WorkerEnv
@@ -26,10 +31,13 @@ LAUNCHER_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT
 
 
 class FakeLLM:
-    """Records ``(call, detail)`` in ``FakeLLM.calls``; generates token 7 once per request."""
+    """Records ``(call, detail)`` in ``FakeLLM.calls`` and each generate call's (requests, sampling)
+    in ``FakeLLM.requests``; answers every request with ``FakeLLM.reply``, each token at log-prob -0.5."""
 
     calls: list = []
     environ: list = []
+    requests: list = []
+    reply: list = [7]
 
     def __init__(self, **kwargs):
         FakeLLM.environ.append({k: os.environ.get(k) for k in LAUNCHER_VARS})
@@ -52,7 +60,9 @@ class FakeLLM:
 
     def generate(self, requests, sampling, use_tqdm=False):
         FakeLLM.calls.append(("generate", len(requests)))
-        completion = SimpleNamespace(token_ids=[7], logprobs=[{7: SimpleNamespace(logprob=-0.5)}])
+        FakeLLM.requests.append((requests, sampling))
+        reply = list(FakeLLM.reply)
+        completion = SimpleNamespace(token_ids=reply, logprobs=[{t: SimpleNamespace(logprob=-0.5)} for t in reply])
         return [SimpleNamespace(prompt_token_ids=r["prompt_token_ids"], outputs=[completion]) for r in requests]
 
 
@@ -68,6 +78,8 @@ def fake_vllm(monkeypatch):
     monkeypatch.setattr(os, "environ", dict(os.environ))
     monkeypatch.setattr(FakeLLM, "calls", [])
     monkeypatch.setattr(FakeLLM, "environ", [])
+    monkeypatch.setattr(FakeLLM, "requests", [])
+    monkeypatch.setattr(FakeLLM, "reply", [7])
     return FakeLLM
 
 
@@ -121,10 +133,10 @@ def test_every_ray_actor_engine_takes_the_one_gpu_its_actor_sees(fake_vllm, gpus
     assert [e["RANK"] for e in fake_vllm.environ] == [str(r) for r in range(8)]
 
 
-def _cuda_engine(policy):
-    config = VllmConfig(model_dir="m", dtype="float32", tensor_parallel_size=1, max_model_len=32, seed=0,
+def _cuda_engine(policy, tokenizer=None, model_dir="m"):
+    config = VllmConfig(model_dir=model_dir, dtype="float32", tensor_parallel_size=1, max_model_len=32, seed=0,
                         device_type="cuda")
-    engine = VllmRollout.build(config, SimpleNamespace(eos_token_id=2), policy=policy)
+    engine = VllmRollout.build(config, tokenizer or SimpleNamespace(eos_token_id=2), policy=policy)
     engine.device = torch.device("cpu")  # its batches go to the host: there is no GPU here
     return engine
 
@@ -166,3 +178,79 @@ def test_a_cpu_engine_never_sleeps_nor_reloads_before_generating(fake_vllm):
     batch = _generate(engine)
     assert fake_vllm.calls == [("init", "m"), ("generate", 2)]
     assert batch.token_fields["rollout_log_probs"].tolist() == [0.0, 0.0, 0.0, -0.5] * 2
+
+
+WEIGHTS, KV = ("wake_up", ("weights",)), ("wake_up", ("kv_cache", "scheduling"))
+LOAD = [WEIGHTS, ("reload_weights", ["bias", "weight"]), ("reset_prefix_cache", None)]
+
+
+def test_a_session_wakes_and_loads_once_for_all_its_turns_and_sleeps_when_it_closes(fake_vllm, tmp_path):
+    (tmp_path / "generation_config.json").write_text('{"eos_token_id": [2, 9]}')
+    engine = _cuda_engine(torch.nn.Linear(2, 2), model_dir=str(tmp_path))
+    params = SamplingParams(n=2, temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=4, micro_batch_size=8)
+    prompts = [[1, 2, 3], [4, 5]]
+    with engine.session() as (generate_fn, end_ids):
+        batches = [generate_fn(prompts, [10, 11], params, seed=s) for s in (5, 6, 7)]
+        assert fake_vllm.calls[-1] == ("generate", 4), "the engine slept inside the session"
+    assert fake_vllm.calls == [("init", str(tmp_path)), ("sleep", 2), *LOAD, KV,
+                               ("generate", 4), ("generate", 4), ("generate", 4), ("sleep", 2)]
+    # the generation config's end-of-turn id ends a turn, as the tokenizer's EOS does, in vLLM too
+    assert end_ids == [2, 9]
+    for seed, batch, (requests, sampling) in zip((5, 6, 7), batches, fake_vllm.requests):
+        # token ids in, exactly (one TokensPrompt per sample); one seed per sample, whatever the batch
+        assert [r["prompt_token_ids"] for r in requests] == [[1, 2, 3]] * 2 + [[4, 5]] * 2
+        assert [s["seed"] for s in sampling] == [sample_seed(seed, g, j) for g in (10, 11) for j in range(2)]
+        assert all(s["stop_token_ids"] == [2, 9] and s["n"] == 1 for s in sampling)
+        assert batch.token_fields["input_ids"].tolist() == [1, 2, 3, 7] * 2 + [4, 5, 7] * 2
+        assert batch.token_fields["rollout_log_probs"].tolist() == [0.0] * 3 + [-0.5] + [0.0] * 3 + [-0.5] \
+            + [0.0, 0.0, -0.5] * 2
+
+
+def test_a_session_sleeps_when_a_turn_fails(fake_vllm):
+    engine = _cuda_engine(torch.nn.Linear(2, 2))
+    with pytest.raises(RuntimeError, match="tool broke"):
+        with engine.session():
+            raise RuntimeError("tool broke")
+    assert fake_vllm.calls[-1] == ("sleep", 2) and not engine.resident
+
+
+def test_a_tensor_parallel_engine_refuses_a_session(fake_vllm):
+    config = VllmConfig(model_dir="m", dtype="float32", tensor_parallel_size=2, max_model_len=32, seed=0,
+                        device_type="cpu")
+    engine = VllmRollout.build(config, SimpleNamespace(eos_token_id=2), world_size=2)
+    with pytest.raises(ValueError, match="rollout.tensorParallelSize: 1"):
+        with engine.session():
+            pass
+
+
+def test_a_multi_turn_round_on_vllm_continues_each_trajectory_from_its_own_ids(fake_vllm):
+    tokenizer = models.build_byte_tokenizer()
+    call = '<tool_call>{"name": "lookup", "arguments": {}}</tool_call>'
+    fake_vllm.reply = tokenizer.encode(call, add_special_tokens=False) + [tokenizer.eos_token_id]
+    spec = parse_spec({
+        "model": {"path": "tiny"}, "data": {"train": {"path": "arithmetic"}, "maxResponseLength": 400,
+                                            "maxPromptLength": 400},
+        "rollout": {"engine": "vllm", "multiTurn": {"enable": True, "maxTurns": 2, "tools": [{
+            "function": "tests.unit.multiturn_tools:lookup",
+            "toolSchema": {"type": "function", "function": {"name": "lookup", "description": "lookup"}}}]}}})
+    engine = _cuda_engine(torch.nn.Linear(2, 2), tokenizer)
+    records = [SimpleNamespace(messages=({"role": "user", "content": "question"},))]
+    params = SamplingParams(n=2, temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=400, micro_batch_size=8)
+    metrics = StepMetrics()
+    batch = generate_multi_turn(engine, tokenizer, spec, records, [3], params, seed=5, metrics=metrics)
+
+    assert fake_vllm.calls[1:] == [("sleep", 2), *LOAD, KV, ("generate", 2), ("generate", 2), ("sleep", 2)]
+    (first, first_sampling), (second, second_sampling) = fake_vllm.requests
+    prompt = first[0]["prompt_token_ids"]
+    delta = render_delta(tokenizer, [{"role": "tool", "name": "lookup", "content": "  result: 42  "}],
+                         set(engine.end_ids), True)
+    reply = fake_vllm.reply
+    assert [r["prompt_token_ids"] for r in second] == [prompt + reply + delta] * 2
+    # turn 1 samples each trajectory alone, seeded by its turn and its index in the step (3 * n + j)
+    assert [s["seed"] for s in second_sampling] == [sample_seed(turn_seed(5, 1), 3 * 2 + j, 0) for j in range(2)]
+    ids, mask = batch.token_fields["input_ids"].tolist(), batch.token_fields["response_mask"].tolist()
+    assert ids == (prompt + reply + delta + reply) * 2
+    assert mask == ([0] * len(prompt) + [1] * len(reply) + [0] * len(delta) + [1] * len(reply)) * 2
+    # the engine's log-probs are packed without record_log_probs (tisImpRatioCap reads them), 0 off the model's ids
+    assert batch.token_fields["rollout_log_probs"].tolist() == [-0.5 * m for m in mask]
+    assert metrics.reduce(torch.device("cpu"))["multiturn/tool_calls"] == 2

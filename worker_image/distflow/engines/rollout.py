@@ -83,16 +83,17 @@ def render_prompts(tokenizer, records, max_prompt_length: int, system_prompt: st
     return [render_prompt(tokenizer, rec, system_prompt)[-max_prompt_length:] for rec in records]
 
 
-def eos_token_ids(model, tokenizer) -> list[int]:
-    """Every token id that ends a response: the tokenizer's ``eos_token_id`` and all of
-    ``model.generation_config.eos_token_id`` (an int or a list), sorted.
+def eos_token_ids(tokenizer, generation_config=None) -> list[int]:
+    """Every token id that ends a response (and a model turn): the tokenizer's ``eos_token_id`` and
+    all of ``generation_config.eos_token_id`` (an int or a list), sorted. Both engines stop at
+    these: the hf engine with its model's ``generation_config``, the vllm engine with the one in
+    the model's directory (what vLLM reads too).
 
     Chat models list their end-of-turn token there beside the tokenizer's EOS
     (Qwen2.5: ``<|im_end|>`` and ``<|endoftext|>``; Llama-3: ``<|eot_id|>``).
     """
     ids: set[int] = set()
-    for value in (tokenizer.eos_token_id,
-                  getattr(getattr(model, "generation_config", None), "eos_token_id", None)):
+    for value in (tokenizer.eos_token_id, getattr(generation_config, "eos_token_id", None)):
         if value is not None:
             ids.update(value if isinstance(value, (list, tuple)) else [value])
     return sorted(ids)
@@ -192,7 +193,7 @@ def generate(model, tokenizer, prompts: list[list[int]], group_index: list[int],
     gen = torch.Generator(device="cpu").manual_seed(seed)
     torch.manual_seed(int(torch.randint(0, 2**31 - 1, (1,), generator=gen, device="cpu")))
     pad_id = tokenizer.pad_token_id
-    eos_ids = eos_token_ids(model, tokenizer)
+    eos_ids = eos_token_ids(tokenizer, getattr(model, "generation_config", None))
     kwargs = dict(max_new_tokens=params.max_new_tokens, pad_token_id=pad_id, eos_token_id=eos_ids, do_sample=False)
     if independent or process_group.pool_group() is not None:
         # transformers keeps the ranks of an FSDP model in step with an all-reduce over the WORLD
@@ -361,9 +362,13 @@ class HfRollout:
     """The hf engine: ``generate`` with the policy weights ``RolloutWeights`` holds.
 
     The engine interface the stages call (``VllmRollout`` has the same):
-    ``generate(prompts, group_index, params, seed, metrics) -> PackedBatch``;
-    ``shared`` (nothing to sync after an update) and ``sync(actor_model) -> bytes``.
+    ``generate(prompts, group_index, params, seed, metrics) -> PackedBatch``; ``session(metrics)``
+    (a multi-turn round); ``shared`` (nothing to sync after an update), ``records_log_probs`` and
+    ``sync(actor_model) -> bytes``.
     """
+
+    records_log_probs = False
+    """``rollout_log_probs`` only with ``SamplingParams.record_log_probs`` (and a temperature)."""
 
     def __init__(self, weights, tokenizer, device: torch.device) -> None:
         self.weights = weights
@@ -387,7 +392,7 @@ class HfRollout:
         ``generate_fn(prompts, group_index, params, seed) -> PackedBatch``."""
         with self.weights.policy(metrics) as model:
             yield (functools.partial(generate, model, self.tokenizer, device=self.device, independent=True),
-                   eos_token_ids(model, self.tokenizer))
+                   eos_token_ids(self.tokenizer, getattr(model, "generation_config", None)))
 
     def sync(self, actor_model=None) -> int:
         """Refresh a separate copy from the actor it was built with; bytes all-gathered."""

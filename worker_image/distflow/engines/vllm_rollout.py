@@ -45,6 +45,12 @@ global index and the sample's index), so a response does not depend on how
 requests are batched. Log-probs are vLLM's ``processed_logprobs``: after the
 temperature, before top-k/top-p, i.e. what the actor recomputes.
 
+Multi-turn rounds (``session``, ``distflow.multiturn``): the engine is woken (and, after a
+level-2 sleep, synced from the policy) once for the round, runs as many turns as this rank's
+trajectories need, each turn one request per trajectory whose prompt is the trajectory's own
+token ids (``TokensPrompt``: never decoded and re-encoded; the prefix cache holds the earlier
+turns), and sleeps when the round ends. Tensor parallelism 1 (``validate`` refuses more).
+
 Weight sync, colocated (``sync``): the actor's FSDP2 parameters are all-gathered in
 buckets of at most ``rollout.weightSyncBucketMb`` and streamed into vLLM's
 in-place ``reload_weights`` (layer-wise ``load_weights``): never a second full
@@ -76,7 +82,7 @@ import torch
 
 from distflow.data.batch import PackedBatch
 from distflow.engines.fsdp import full_state_tensors
-from distflow.engines.rollout import SamplingParams, pack_responses, sample_seed
+from distflow.engines.rollout import SamplingParams, eos_token_ids, pack_responses, sample_seed
 
 
 @dataclass(frozen=True)
@@ -217,11 +223,14 @@ class VllmRollout:
     """A vLLM engine colocated with this rank's actor shards (``build``), or a rollout pool
     worker's isolated engine (``build_isolated``).
 
-    Same interface as ``HfRollout``: ``generate`` and ``sync``; ``shared`` is
-    False (the engine holds its own copy of the weights).
+    Same interface as ``HfRollout``: ``generate``, ``session`` (multi-turn rounds) and ``sync``;
+    ``shared`` is False (the engine holds its own copy of the weights).
     """
 
     shared = False
+    records_log_probs = True
+    """``generate`` (and a session's calls) always add ``rollout_log_probs``, whatever
+    ``SamplingParams.record_log_probs`` says."""
 
     def __init__(self, config: VllmConfig, tokenizer, llm, tp_rank: int = 0,
                  policy: torch.nn.Module | None = None, isolated: bool = False) -> None:
@@ -239,6 +248,8 @@ class VllmRollout:
         """Whether the engine's weights are a model's (False from a level-2 sleep until a sync)."""
         self.device = torch.device("cuda", config.device_index) if config.device_type == "cuda" else torch.device("cpu")
         """Where its batches go: the worker's device."""
+        self.end_ids = eos_token_ids(tokenizer, _generation_config(config.model_dir))
+        """The ids a response (a model turn) ends at: the tokenizer's EOS and the model's generation config's."""
 
     @classmethod
     def build(cls, config: VllmConfig, tokenizer, *, policy: torch.nn.Module | None = None, rank: int = 0,
@@ -318,6 +329,21 @@ class VllmRollout:
             self.llm.wake_up(tags=missing)
             self.resident.update(missing)
 
+    @contextlib.contextmanager
+    def _awake(self, metrics=None):
+        """The engine ready to generate within the block (the policy's weights, the KV cache), asleep after."""
+        if not self.weights_loaded:
+            # No update since the last sleep (a DAPO refill round, an evaluation, the first rollout):
+            # the policy's weights again. Collective, and reached at the same call on every rank.
+            moved = self.sync(self.policy)
+            if metrics is not None:
+                metrics.add_sum("perf/weight_sync_bytes", moved)
+        self.wake_up()
+        try:
+            yield
+        finally:
+            self.sleep()
+
     def generate(self, prompts: list[list[int]], group_index: list[int], params: SamplingParams,
                  seed: int, metrics=None) -> PackedBatch:
         """Sample ``params.n`` responses per prompt.
@@ -328,24 +354,44 @@ class VllmRollout:
             engine's fields plus ``rollout_log_probs`` [T_total] float32: the log-prob of each
             generated token under the engine's weights at ``params.temperature``, 0 on prompt tokens.
         """
+        with self._awake(metrics):
+            return self._sample(prompts, group_index, params, seed)
+
+    @contextlib.contextmanager
+    def session(self, metrics=None):
+        """The engine awake for several generate calls that no other rank joins (a multi-turn round:
+        each rank runs as many turns as its own samples need), as ``HfRollout.session``. Entered on
+        every rank together (it may sync the policy's weights, a collective); asleep again after.
+
+        Yields:
+            ``(generate_fn, end_ids)``: ``generate_fn(prompts, group_index, params, seed)`` is
+            ``generate`` without the wake and sleep around it (token ids in, never re-encoded: one
+            ``TokensPrompt`` per sample, seeded ``sample_seed(seed, group_index[i], j)``); ``end_ids``
+            are the ids a turn ends at.
+
+        Raises:
+            ValueError: ``config.tensor_parallel_size`` is not 1 (a tp group's ranks would have to
+                call generate together, which ranks running their own turns do not).
+        """
+        if self.config.tensor_parallel_size != 1:
+            raise ValueError(f"VllmRollout.session: tensor parallelism {self.config.tensor_parallel_size}; "
+                             "multi-turn rollouts run with 1 (rollout.tensorParallelSize: 1)")
+        with self._awake(metrics):
+            yield self._sample, self.end_ids
+
+    def _sample(self, prompts: list[list[int]], group_index: list[int], params: SamplingParams,
+                seed: int) -> PackedBatch:
+        """``generate`` on an awake engine."""
         from vllm import SamplingParams as VllmSampling
         from vllm.inputs import TokensPrompt
 
-        if not self.weights_loaded:
-            # No update since the last sleep (a DAPO refill round, an evaluation, the first rollout):
-            # the policy's weights again. Collective, and reached at the same call on every rank.
-            moved = self.sync(self.policy)
-            if metrics is not None:
-                metrics.add_sum("perf/weight_sync_bytes", moved)
-        self.wake_up()
         requests, sampling = [], []
         for prompt, group in zip(prompts, group_index):
             for j in range(params.n):
                 requests.append(TokensPrompt(prompt_token_ids=list(prompt)))
-                sampling.append(VllmSampling(**_sampling_kwargs(params, self.tokenizer),
+                sampling.append(VllmSampling(**_sampling_kwargs(params, self.end_ids),
                                              seed=sample_seed(seed, group, j)))
         outputs = self.llm.generate(requests, sampling, use_tqdm=False)
-        self.sleep()
         tp = self.config.tensor_parallel_size
         seqs, groups, log_probs = [], [], []
         for k, out in enumerate(outputs):
@@ -450,13 +496,20 @@ def _gathered_in_buckets(model: torch.nn.Module, bucket_bytes: int, dtype: torch
     yield from bucket
 
 
-def _sampling_kwargs(params: SamplingParams, tokenizer) -> dict:
-    eos = tokenizer.eos_token_id
-    eos_ids = sorted(set(eos if isinstance(eos, list) else [eos]))
+def _generation_config(model_dir: str):
+    """The model's ``generation_config.json`` (where chat models list their end-of-turn ids), None without one."""
+    if not (Path(model_dir) / "generation_config.json").is_file():
+        return None
+    from transformers import GenerationConfig
+
+    return GenerationConfig.from_pretrained(model_dir)
+
+
+def _sampling_kwargs(params: SamplingParams, stop_ids: list[int]) -> dict:
     greedy = params.temperature <= 0
     return dict(n=1, max_tokens=params.max_new_tokens, temperature=0.0 if greedy else params.temperature,
                 top_p=1.0 if greedy else params.top_p, top_k=0 if greedy else params.top_k,
-                stop_token_ids=eos_ids, logprobs=0, detokenize=False, skip_special_tokens=False)
+                stop_token_ids=list(stop_ids), logprobs=0, detokenize=False, skip_special_tokens=False)
 
 
 def _sampled_log_probs(logprobs, tokens: list[int]) -> list[float]:

@@ -291,8 +291,10 @@ def generate_multi_turn(engine, tokenizer, spec: JobSpec, records: Sequence[Any]
     """The multi-turn round ``stages.rollout.generate_round`` runs when ``rollout.multiTurn.enable``.
 
     Args:
-        engine: a rollout engine with ``session(metrics)`` (the hf engine's ``HfRollout``):
-            a context that yields ``(generate_fn, end_ids)`` whose calls need no other rank.
+        engine: a rollout engine (``HfRollout``, ``VllmRollout``) with ``session(metrics)``: a
+            context that yields ``(generate_fn, end_ids)`` whose calls need no other rank; with
+            ``records_log_probs`` its turns' ``rollout_log_probs`` are packed (truncated importance
+            sampling, ``rollout.tisImpRatioCap``) even when ``params`` does not ask for them.
         metrics: where the ``multiturn/*`` counts go (None: nowhere).
     Returns:
         ``len(records) * params.n`` samples, the n of a prompt adjacent, on the engine's device.
@@ -302,7 +304,8 @@ def generate_multi_turn(engine, tokenizer, spec: JobSpec, records: Sequence[Any]
         trajectories, stats = loop.run(generate_fn, end_ids, records, group_index, params, seed)
     if metrics is not None:
         report(metrics, trajectories, stats)
-    return pack_trajectories(trajectories, params.record_log_probs, loop.environment is not None, engine.device)
+    return pack_trajectories(trajectories, params.record_log_probs or engine.records_log_probs,
+                             loop.environment is not None, engine.device)
 
 
 def report(metrics, trajectories: list[Trajectory], stats: TurnStats) -> None:

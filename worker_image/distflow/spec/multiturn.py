@@ -53,7 +53,8 @@ class ToolSpec(SpecBase):
 
 class MultiTurnSpec(SpecBase):
     enable: bool = False
-    """Roll out trajectories of several turns (off: one response per sample)."""
+    """Roll out trajectories of several turns (off: one response per sample), with either
+    `rollout.engine` (vllm with `rollout.tensorParallelSize: 1`)."""
     max_turns: int = Field(default=4, ge=1, le=64)
     """Model turns per trajectory at most (verl's `max_assistant_turns`)."""
     max_tokens_per_turn: int | None = Field(default=None, ge=1)

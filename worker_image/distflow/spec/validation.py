@@ -117,9 +117,13 @@ def _multi_turn_problems(spec: JobSpec):
     """What ``rollout.multiTurn`` does not combine with yet."""
     turns = spec.rollout.multi_turn
     yield from tool_problems(turns)
-    if turns.enable and spec.rollout.engine != "hf":
-        yield ("rollout.multiTurn.enable: multi-turn rollouts generate with the hf engine for now; set "
-               "rollout.engine: hf or rollout.multiTurn.enable: false")
+    tp = spec.rollout.tensor_parallel_size
+    if turns.enable and spec.rollout.engine == "vllm" and tp != 1:
+        # The ranks of a tp group must call vLLM together; each rank runs as many turns as its own
+        # trajectories need.
+        yield (f"rollout.tensorParallelSize: {tp}; multi-turn rollouts (rollout.multiTurn.enable) run each "
+               "rollout worker's turns on its own vLLM engine, which a tensor-parallel group cannot share; set "
+               "it to 1 (more workers give more replicas) or rollout.multiTurn.enable: false")
     per_turn = turns.max_tokens_per_turn
     if turns.enable and per_turn is not None and per_turn > spec.data.max_response_length:
         yield (f"rollout.multiTurn.maxTokensPerTurn: {per_turn} tokens exceed the budget of all turns, "

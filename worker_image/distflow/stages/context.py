@@ -27,7 +27,7 @@ class StageModels:
     """The worker's models, built once (``DagWorker._build_models``)."""
 
     rollout: Any
-    """The rollout engine (``HfRollout`` or ``VllmRollout``): ``generate``, ``sync``, ``shared``."""
+    """The rollout engine (``HfRollout`` or ``VllmRollout``): ``generate``, ``session``, ``sync``, ``shared``."""
     actor: Actor
     """The actor update (optimizer, micro-batching) around ``policy``."""
     policy: torch.nn.Module
