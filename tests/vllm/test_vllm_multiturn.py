@@ -110,7 +110,10 @@ def _split(batch) -> list[tuple[list[int], list[int]]]:
     return [(ids[cu[b]:cu[b] + plen[b]], ids[cu[b] + plen[b]:cu[b + 1]]) for b in range(batch.num_samples)]
 
 
-@pytest.mark.parametrize("isolated", [False, True], ids=["colocated", "isolated"])
+# The isolated engine (the async rollout pool's) takes the same session route; its run is opt-in
+# (-m long) to keep the default run's time: tests/vllm/test_vllm_pool.py covers that engine's syncs.
+@pytest.mark.parametrize("isolated", [False, pytest.param(True, marks=pytest.mark.long)],
+                         ids=["colocated", "isolated"])
 def test_multi_turn_trajectories_train_the_ids_vllm_sampled_with_its_log_probs(isolated, model_dir, hf_model):
     from distflow.engines import model_ops
     from distflow.models import load_tokenizer
@@ -155,6 +158,7 @@ def test_multi_turn_trajectories_train_the_ids_vllm_sampled_with_its_log_probs(i
 STEPS = 2
 
 
+@pytest.mark.long  # the example end to end (~3 min); the scripted rounds above check the token continuity
 def test_the_multi_turn_calculator_trains_with_vllm_rollouts(tmp_path):
     rows = run_quickstart(tmp_path / "multiturn", [
         "rollout.engine=vllm", f"trainer.totalSteps={STEPS}", "data.eval=null", "model.mixedPrecision=none",
