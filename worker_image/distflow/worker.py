@@ -152,6 +152,8 @@ class DagWorker:
     """Polled at every step boundary when the operator can ask for a resize (a pod); None locally."""
     stopped_for_resize = False
     """``train`` stopped at a step boundary because the operator asked for another size."""
+    left_pool = False
+    """This rank left the rollout pool in an in-place shrink (``distflow.pools.elastic``): it exits."""
 
     def __init__(self, spec: JobSpec, env: WorkerEnv):
         self.spec, self.env = spec, env
@@ -186,7 +188,8 @@ class DagWorker:
         self._received_before = 0
         self.is_logger = env.rank == 0
         self.writer = JsonlWriter(spec.trainer.log_dir) if self.is_logger else None
-        self.resize_watch = ResizeWatch(env.resize_file, env.num_nodes, _max_over_ranks) \
+        pools = spec.async_.rollout_pool.num_nodes if spec.async_.enable else None
+        self.resize_watch = ResizeWatch(env.resize_file, env.num_nodes, _max_over_ranks, pools) \
             if env.resize_file else None
 
     def _build_models(self) -> None:
