@@ -43,6 +43,7 @@ from distflow.engines.rollout import HfRollout
 from distflow.metrics import StepMetrics
 from distflow.models import DTYPES, load_tokenizer
 from distflow.planner import ROLLOUT, TRAIN
+from distflow.pools.elastic import RolloutPoolResize
 from distflow.pools.weight_sync import WeightSync
 from distflow.stages import STAGES, StageModels
 from distflow.worker import DagWorker, _seed_everything
@@ -70,24 +71,38 @@ class PoolWorker(DagWorker):
     """One worker of a pooled (``async.enable``) job: of the trainer pool (ranks ``0 .. T-1``) or
     of the rollout pool (ranks ``T .. W-1``), as the plan's layouts say."""
 
+    def __init__(self, spec, env) -> None:
+        super().__init__(spec, env)
+        self.elastic = RolloutPoolResize.for_worker(self) if env.resize_file else None
+        """The in-place resize of the rollout pool, polled at each step boundary (pods only)."""
+
     # ---- construction ----------------------------------------------------------------------
 
-    def _build_models(self) -> None:
+    def _build_groups(self) -> None:
+        """The layouts of the plan, and every process group of a pooled job: the trainer pool's FSDP
+        mesh (``self.mesh``), each pool's group, the weight sync's. Collective over the world, and run
+        again in each new world of an in-place resize of the rollout pool (``distflow.pools.elastic``)."""
         spec, env, plan = self.spec, self.env, self.plan
         self.train_layout, self.rollout_layout = plan.layouts[TRAIN], plan.layouts[ROLLOUT]
         self.trains = self.train_layout.holds(env.rank)
         trainers = list(range(self.train_layout.num_ranks))
         rollouts = list(range(self.rollout_layout.first_rank, env.world_size))
         # Every rank creates every group, in the same order (new_group is collective over the world).
-        compute = DTYPES[spec.model.compute_dtype]
-        mesh = fsdp.pool_mesh(self.device, len(trainers), spec.cluster.data_parallel_replicate_degree or 1)
+        self.mesh = fsdp.pool_mesh(self.device, len(trainers), spec.cluster.data_parallel_replicate_degree or 1)
         train_group = process_group.new_group(trainers)  # the whole pool (HSDP's mesh: one group per dimension)
         rollout_group = process_group.new_group(rollouts)
         self.train_group = train_group if self.trains else None
         sync_group = process_group.new_group([0] + rollouts)
         self.pool_group = self.train_group if self.trains else rollout_group
         process_group.set_pool_group(self.pool_group)
-        self.weight_sync = WeightSync(sync_group, 0, compute, spec.rollout.weight_sync_bucket_mb << 20, self.device)
+        self.weight_sync = WeightSync(sync_group, 0, DTYPES[spec.model.compute_dtype],
+                                      spec.rollout.weight_sync_bucket_mb << 20, self.device)
+
+    def _build_models(self) -> None:
+        spec, env, plan = self.spec, self.env, self.plan
+        self._build_groups()
+        trainers, mesh = list(range(self.train_layout.num_ranks)), self.mesh
+        compute = DTYPES[spec.model.compute_dtype]
         self.rollout_chain, self.train_chain = split_chain(plan.chain)
         _seed_everything(spec.trainer.seed)
         self.tokenizer = load_tokenizer(env.model_dir)
@@ -288,6 +303,8 @@ class PoolWorker(DagWorker):
                 progress(self.step, out)
             if self._step_boundary():  # the steps in flight are dropped, as on any resume
                 break
+            if self.elastic is not None and self.elastic.at_step_boundary(self):
+                break  # this rank left the rollout pool
         chaos.write_tally()
         return history
 
