@@ -70,7 +70,9 @@ def world_store():
     ``MASTER_ADDR:MASTER_PORT``. A reference held by rank 0 keeps it served after the group is
     destroyed, so the ranks of the next world (``reform``) meet on it."""
     store = distributed_c10d._get_default_store()
-    return store.underlying_store if isinstance(store, dist.PrefixStore) else store
+    while isinstance(store, dist.PrefixStore):  # init_process_group's prefixes (the rendezvous adds one)
+        store = store.underlying_store
+    return store
 
 
 def join_store(master_addr: str, master_port: int, timeout_s: float = 300.0):

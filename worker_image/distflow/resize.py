@@ -39,6 +39,9 @@ class LeftPool(Exception):
     ``EXIT_LEFT_POOL`` and the others go on without it."""
 
 
+JOIN_ENV = "DISTFLOW_JOIN"
+"""Environment variable of a pod whose workers join the running job's rollout pool ("1")."""
+
 RESIZE_KEY = "resize"
 """Key of the job's ConfigMap (and file name in the mounted spec directory)."""
 

@@ -1,31 +1,41 @@
 """In-place resize of the rollout pool: the trainer pool keeps training, in the same processes.
 
     step boundary (every rank of world g, after the checkpoint and the whole-gang resize poll)
-      each rank reads the request file --all_gather [seen, numNodes, rolloutNodes]--> agree_on_resize
-      (a pure function of the gathered reads: every rank computes the same target)
+      each rank reads the request file --all_gather [seen, numNodes, rolloutNodes, ready]--> agree_on_resize
+      (a pure function of the gathered reads: every rank computes the same target; ready is rank 0's
+      count of the joiners registered in the job's store)
       no in-place request, or the running sizes: go on
       shrink to R' rollout nodes (world W -> W' = W - (R - R') x procsPerNode):
         ranks >= W'  leave: destroy their groups, exit with EXIT_LEFT_POOL (the operator deletes their pods)
-        ranks <  W'  re-form: world g+1 met on the job's store (rank 0's TCPStore, a key prefix per
-                     world), every group of the pooled worker again, the trainer pool's FSDP mesh
-                     rebound to the new groups (model, Adam state, RNG stay in memory: no checkpoint),
-                     the prompt stream resharded over the new rollout dp size at its position, the
-                     data coordinator on the new plan; the steps in flight (crossed to the trainers,
-                     not trained yet) stay where they are
+        ranks <  W'  re-form (below)
+      grow to R' (W' > W): once every joiner is ready (until then: go on at W, and poll again next step)
+        all ranks    re-form (below), joiners included; then the first rollout rank hands the joiners
+                     the step and the prompt stream's position, and a weight sync gives them the policy
+      re-form: world g+1 met on the job's store (rank 0's TCPStore, a key prefix per world), every
+               group of the pooled worker again, the trainer pool's FSDP mesh rebound to the new
+               groups (model, Adam state, RNG stay in memory: no checkpoint), the prompt stream
+               resharded over the new rollout dp size at its position, the data coordinator on the
+               new plan; the steps in flight (crossed to the trainers, not trained yet) stay where
+               they are
 
-The ranks are laid out trainers first (``0 .. T-1``), then the rollout nodes
-in order, so a shrink drops the highest ranks and no survivor changes rank:
-the trainer pool's mesh keeps its ranks and each trainer its local shards.
+    joiner (a pod started with DISTFLOW_JOIN=1, PET_NNODES and its spec at the new size)
+      loads its replica and its prompt stream alone (no world yet), adds 1 to distflow/world<g+1>/ready,
+      waits for distflow/world<g+1>/go, joins world g+1, takes the hand-over, and runs the schedule on
 
-Deliberately simplified: only the shrink is done in place. A request to grow
-the rollout pool is left alone here (the workers go on at their size, and say
-so once); it needs joiner processes that meet the running ranks on the job's
-store, which ``process_group.join_store`` starts (see the module's
-``GROW_PROTOCOL``).
+The ranks are laid out trainers first (``0 .. T-1``), then the rollout nodes in
+order, so a shrink drops the highest ranks and a grow appends ranks: no running
+rank changes rank, and the trainer pool's mesh keeps its ranks and each trainer
+its local shards.
+
+Deliberately simplified: the trainer nodes never change here (that is a
+whole-gang resize, ``distflow.resize``); a joiner that is not ready is waited
+for at each boundary, without a deadline on the running side (the operator
+deletes a pod that never starts; the job goes on at its size).
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Sequence
@@ -39,13 +49,6 @@ from distflow.engines import fsdp
 from distflow.planner import build_plan
 from distflow.resize import ResizeRequest, read_request
 from distflow.spec import JobSpec
-
-GROW_PROTOCOL = """\
-not done yet: joiners started with DISTFLOW_JOIN_WORLD=<generation>:<world size> would set
-<prefix>/ready/<rank> in the job's store once their replica is loaded; the running ranks would
-check the count at each boundary (agree_on_resize's target, once every joiner is ready) and re-form
-world <generation> with them; the joiners then take the step, the loader state and the policy
-(a weight sync) from the trainer pool."""
 
 
 @dataclass(frozen=True)
@@ -105,51 +108,73 @@ def _decode(row: list[int]) -> ResizeRequest | None:
 class RolloutPoolResize:
     """Polled by every rank of a pooled job at each step boundary: resize the rollout pool in place.
 
+    Store keys (on the job's store, which every world of the job meets on):
+    ``distflow/generation`` the current world's generation (0: the first); joiners add 1 to
+    ``distflow/world<g>/ready`` (g: the world they wait for, generation + 1) and wait for
+    ``distflow/world<g>/go``: that world's size when it takes them, ``0`` when world g formed
+    without them (a shrink came first): they register again for the next.
+
     Args:
         path: the mounted request file (``<spec dir>/resize``, ``distflow.resize``).
-        current: the running sizes.
+        current: the running sizes (a joiner: the sizes it grows the pool to).
         procs_per_node: workers per node.
         train_batch_size: prompts per step.
-        store: the job's store (``process_group.world_store``), which outlives each world.
+        store: the job's store (``process_group.world_store``, or a joiner's ``join_store``).
+        joining: this process is a joiner (``WorkerEnv.join``) that has not joined yet.
     """
 
-    def __init__(self, path: Path | str, current: PoolSize, procs_per_node: int, train_batch_size: int, store):
+    def __init__(self, path: Path | str, current: PoolSize, procs_per_node: int, train_batch_size: int, store,
+                 joining: bool = False):
         self.path, self.current, self.store = Path(path), current, store
         self.procs_per_node, self.train_batch_size = procs_per_node, train_batch_size
+        self.joining = joining
         self.generation = 0
         """Worlds formed so far after the first (each meets under its own key prefix)."""
-        self._said_grow = False
+        self._waiting_for: PoolSize | None = None
 
     @classmethod
     def for_worker(cls, worker) -> "RolloutPoolResize":
-        """The poll of a ``PoolWorker`` (its spec and the world's store)."""
-        spec = worker.spec
-        return cls(worker.env.resize_file, PoolSize(spec.cluster.num_nodes, spec.async_.rollout_pool.num_nodes),
-                   spec.cluster.procs_per_node, spec.data.train_batch_size, process_group.world_store())
+        """The poll of a ``PoolWorker`` (its spec and the job's store); rank 0 publishes generation 0."""
+        spec, env = worker.spec, worker.env
+        store = process_group.join_store(env.master_addr, env.master_port) if env.join \
+            else process_group.world_store()
+        if env.rank == 0:
+            store.set(GENERATION_KEY, "0")
+        return cls(env.resize_file, PoolSize(spec.cluster.num_nodes, spec.async_.rollout_pool.num_nodes),
+                   spec.cluster.procs_per_node, spec.data.train_batch_size, store, joining=env.join)
 
-    def poll(self) -> PoolSize | None:
-        """The agreed next size (collective over the world: one all-gather of 3 integers per rank)."""
-        mine = torch.tensor(_encode(read_request(self.path)), dtype=torch.int64)
-        rows = [torch.zeros(3, dtype=torch.int64) for _ in range(dist.get_world_size())]
+    def poll(self) -> tuple[PoolSize | None, int]:
+        """(the agreed next size or None, the joiners ready for the next world as rank 0 counts them).
+        Collective over the world: one all-gather of 4 integers per rank."""
+        ready = int(self.store.add(_key(self.generation + 1, "ready"), 0)) if dist.get_rank() == 0 else 0
+        mine = torch.tensor([*_encode(read_request(self.path)), ready], dtype=torch.int64)
+        rows = [torch.zeros(4, dtype=torch.int64) for _ in range(dist.get_world_size())]
         dist.all_gather(rows, mine)
-        return agree_on_resize([_decode(r.tolist()) for r in rows], self.current, self.procs_per_node,
-                               self.train_batch_size)
+        target = agree_on_resize([_decode(r.tolist()) for r in rows], self.current, self.procs_per_node,
+                                 self.train_batch_size)
+        return target, int(rows[0][3])
 
     def at_step_boundary(self, worker) -> bool:
-        """Collective over the world, at a step boundary: poll, and resize when agreed. True when this
-        rank left the pool (``worker.left_pool``; it has no group any more and must exit)."""
-        target = self.poll()
+        """Collective over the world, at a step boundary: poll, and resize when agreed (a grow once
+        every joiner is ready). True when this rank left the pool (``worker.left_pool``; it has no
+        group any more and must exit)."""
+        if worker.step >= worker.spec.trainer.total_steps:
+            return False  # the last boundary: nothing is left to resize for (every rank knows it)
+        target, ready = self.poll()
         if target is None:
             return False
-        if target.rollout_nodes > self.current.rollout_nodes:
-            if worker.is_logger and not self._said_grow:
-                print(f"distflow: growing the rollout pool in place to {target.rollout_nodes} nodes is not "
-                      "supported yet; the job goes on at its size", flush=True)
-            self._said_grow = True
+        spec, old_world = resized_spec(worker.spec, target), worker.env.world_size
+        joiners = spec.world_size - old_world
+        if joiners > 0 and ready < joiners:
+            if worker.is_logger and self._waiting_for != target:
+                print(f"distflow: the rollout pool grows to {target.rollout_nodes} nodes once its {joiners} new "
+                      f"workers are ready ({ready} so far); training goes on at {old_world} workers", flush=True)
+            self._waiting_for = target
             return False
-        old_world = worker.env.world_size
         self.current, self.generation = target, self.generation + 1
-        spec = resized_spec(worker.spec, target)
+        if worker.rank == 0:
+            self.store.set(GENERATION_KEY, str(self.generation))
+            self.store.set(_key(self.generation, "go"), str(spec.world_size if joiners > 0 else 0))
         if worker.rank >= spec.world_size:
             process_group.leave()
             worker.left_pool = True
@@ -158,10 +183,79 @@ class RolloutPoolResize:
             return True
         process_group.reform(worker.device, self.store, self.generation, worker.rank, spec.world_size)
         regroup(worker, spec)
+        if joiners > 0:
+            hand_over(worker)
         if worker.is_logger:
-            print(f"distflow: the rollout pool is {target.rollout_nodes} nodes from step {worker.step + 1} "
-                  f"({old_world} -> {spec.world_size} workers, re-formed in place)", flush=True)
+            print(f"distflow: after step {worker.step} the rollout pool is {target.rollout_nodes} nodes; it "
+                  f"generates step {_next_generated(worker)} on ({old_world} -> {spec.world_size} workers, "
+                  "re-formed in place)", flush=True)
         return False
+
+    def join(self, worker, timeout_s: float = 3600.0) -> int:
+        """A joiner: register as ready, wait until the running ranks form the world that takes it,
+        join it, and take the step, the prompt stream's position and the policy from them.
+        Collective over the new world once the running ranks form it. Returns the steps trained.
+
+        Raises:
+            RuntimeError: no world took this worker within ``timeout_s`` seconds, or one of
+                another size did (the request and this pod's PET_NNODES disagree).
+        """
+        deadline = time.monotonic() + timeout_s
+        while True:
+            generation = int(self.store.get(GENERATION_KEY)) + 1
+            self.store.add(_key(generation, "ready"), 1)
+            print(f"distflow: rank {worker.rank} is ready to join the rollout pool (world {generation})", flush=True)
+            go = _wait_for(self.store, _key(generation, "go"), deadline)
+            if go == worker.env.world_size:
+                break
+            if go != 0:
+                raise RuntimeError(f"rank {worker.rank}: world {generation} formed with {go} workers, not the "
+                                   f"{worker.env.world_size} this worker was started for (PET_NNODES)")
+        self.joining, self.generation = False, generation
+        process_group.reform(worker.device, self.store, generation, worker.rank, worker.env.world_size)
+        worker._build_groups()
+        hand_over(worker)
+        print(f"distflow: rank {worker.rank} joined the rollout pool after step {worker.step}; it generates "
+              f"step {_next_generated(worker)} on (policy version {worker.version})", flush=True)
+        return worker.step
+
+
+GENERATION_KEY = "distflow/generation"
+
+
+def _next_generated(worker) -> int:
+    """The first step (from 1) the rollout pool generates after a boundary: the steps up to
+    ``maxStaleness`` past the trained ones are generated already (in flight)."""
+    return worker.step + worker.plan.staleness + 1
+
+
+def _key(generation: int, name: str) -> str:
+    return f"distflow/world{generation}/{name}"
+
+
+def _wait_for(store, key: str, deadline: float) -> int:
+    """The integer at ``key`` once it is set (polling: a store's own wait has one fixed timeout).
+
+    Raises:
+        RuntimeError: not set by ``deadline`` (time.monotonic).
+    """
+    while not store.check([key]):
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"no running world took this worker (store key {key} never set)")
+        time.sleep(0.2)
+    return int(store.get(key))
+
+
+def hand_over(worker) -> None:
+    """After a grow, on every rank of the new world (collective): the first rollout rank (a running
+    one) gives the joiners the steps trained and the prompt stream's position; then the trainer
+    pool syncs the policy into every rollout replica (the joiners' first weights)."""
+    state = [{"step": worker.step, "loader": worker.loader.state_dict()}]
+    dist.broadcast_object_list(state, src=worker.rollout_layout.first_rank)
+    if not worker.trains:
+        worker.step = state[0]["step"]
+        worker.loader.load_state_dict(state[0]["loader"])
+    worker._sync_weights()
 
 
 def regroup(worker, spec: JobSpec) -> None:

@@ -78,13 +78,20 @@ class PoolWorker(DagWorker):
 
     # ---- construction ----------------------------------------------------------------------
 
+    def _take_layouts(self) -> None:
+        self.train_layout, self.rollout_layout = self.plan.layouts[TRAIN], self.plan.layouts[ROLLOUT]
+        self.trains = self.train_layout.holds(self.env.rank)
+
+    def _init_world(self) -> None:
+        if not self.env.join:
+            super()._init_world()
+
     def _build_groups(self) -> None:
         """The layouts of the plan, and every process group of a pooled job: the trainer pool's FSDP
         mesh (``self.mesh``), each pool's group, the weight sync's. Collective over the world, and run
         again in each new world of an in-place resize of the rollout pool (``distflow.pools.elastic``)."""
-        spec, env, plan = self.spec, self.env, self.plan
-        self.train_layout, self.rollout_layout = plan.layouts[TRAIN], plan.layouts[ROLLOUT]
-        self.trains = self.train_layout.holds(env.rank)
+        spec, env = self.spec, self.env
+        self._take_layouts()
         trainers = list(range(self.train_layout.num_ranks))
         rollouts = list(range(self.rollout_layout.first_rank, env.world_size))
         # Every rank creates every group, in the same order (new_group is collective over the world).
@@ -100,7 +107,11 @@ class PoolWorker(DagWorker):
 
     def _build_models(self) -> None:
         spec, env, plan = self.spec, self.env, self.plan
-        self._build_groups()
+        if env.join:  # its world does not exist yet: the groups (and the mesh) are built when it joins
+            self._take_layouts()
+            self.mesh = None
+        else:
+            self._build_groups()
         trainers, mesh = list(range(self.train_layout.num_ranks)), self.mesh
         compute = DTYPES[spec.model.compute_dtype]
         self.rollout_chain, self.train_chain = split_chain(plan.chain)
@@ -231,10 +242,13 @@ class PoolWorker(DagWorker):
     # ---- the run ---------------------------------------------------------------------------
 
     def train(self, progress=None) -> list[dict[str, float]]:
-        spec, s = self.spec, self.plan.staleness
-        total = spec.trainer.total_steps
-        history = []
         chaos.install(self)
+        if self.elastic is not None and self.elastic.joining:
+            # A rollout worker joining the pool: the world, the step and the policy come from the running ranks.
+            start = self.elastic.join(self)  # the steps trained so far; the next iteration is start + s
+            return self._iterations(start + self.plan.staleness, start, 0, progress)
+        spec = self.spec
+        total = spec.trainer.total_steps
         if spec.checkpoint.dir and self.env.resume and spec.checkpoint.resume == "auto":
             self.step = checkpoint.load_latest(spec.checkpoint.dir, self)
             if self.step and self.is_logger:
@@ -253,10 +267,17 @@ class PoolWorker(DagWorker):
             self._log({"training/step": 0, **self._eval_metrics()})
         if progress:
             progress(self.step, {})
+        return self._iterations(start, start, self._dropped_in_flight(start), progress)
+
+    def _iterations(self, first: int, start: int, dropped: int, progress) -> list[dict[str, float]]:
+        """Iterations ``first ..`` of the schedule (see the module's diagram) in a run that started
+        at step ``start``; ``dropped``: the samples in flight a resume dropped, reported once."""
+        spec, history = self.spec, []
+        total = spec.trainer.total_steps
         pending: dict[int, PackedBatch] = {}
         rollout_metrics: dict[int, dict] = {}
-        dropped = self._dropped_in_flight(start)
-        for i in range(start, total + s):
+        s = self.plan.staleness
+        for i in range(first, total + s):
             iteration_start = time.perf_counter()
             gen_step = i if i < total else None
             train_step = i - s if i - s >= start else None
