@@ -46,7 +46,8 @@ from distflow.planner import ROLLOUT, TRAIN
 from distflow.pools.elastic import RolloutPoolResize
 from distflow.pools.weight_sync import WeightSync
 from distflow.stages import STAGES, StageModels
-from distflow.worker import DagWorker, _seed_everything
+from distflow.spec import JobSpec
+from distflow.worker import DagWorker, WorkerEnv, _seed_everything
 
 log = logging.getLogger(__name__)
 
@@ -71,7 +72,7 @@ class PoolWorker(DagWorker):
     """One worker of a pooled (``async.enable``) job: of the trainer pool (ranks ``0 .. T-1``) or
     of the rollout pool (ranks ``T .. W-1``), as the plan's layouts say."""
 
-    def __init__(self, spec, env) -> None:
+    def __init__(self, spec: JobSpec, env: WorkerEnv) -> None:
         super().__init__(spec, env)
         self.elastic = RolloutPoolResize.for_worker(self) if env.resize_file else None
         """The in-place resize of the rollout pool, polled at each step boundary (pods only)."""
