@@ -15,8 +15,9 @@ Compared with a run at 1 trainer + 1 rollout node throughout (``reference``):
   the joiner leaves;
 - a grow whose joiner never comes: training goes on at 1 + 1 to the end.
 
-In each, the trainer pod runs from start to end as one process (its exit is
-clean, nothing is ever resumed from a checkpoint), every step is trained once,
+In each, the trainer pod's worker runs from start to end as one process (the
+same PID before and after the resize, a clean exit, nothing ever resumed from
+a checkpoint), every step is trained once,
 on the prompts the reference trains on (none lost or repeated), and the final
 parameters and Adam state equal the reference's up to ``TOLERANCE``.
 """
@@ -105,6 +106,12 @@ def _wait_for_line(path: Path, text: str, pods, timeout_s: float) -> bool:
     return False
 
 
+def _workers(pod: subprocess.Popen) -> set[int]:
+    """PIDs of the pod's worker processes (its launcher's children; Linux's /proc)."""
+    return {int(pid) for task in Path(f"/proc/{pod.pid}/task").iterdir()
+            for pid in (task / "children").read_text().split()}
+
+
 def _logs(spec_dir: Path, num_nodes: int) -> list[str]:
     return [(spec_dir / f"node{n}.log").read_text() for n in range(num_nodes)]
 
@@ -149,11 +156,14 @@ def test_rollout_pool_shrinks_in_place_while_the_trainer_keeps_training(tmp_path
     _write_spec(spec, pods_dir)
     _request(pods_dir, 2, 1)
     pods = _start_pods(pods_dir, 3, free_port())
-    trainer_pid = pods[0].pid
+    assert _wait_for_line(pods_dir / "node0.log", "training starts", pods, 300)
+    before = _workers(pods[0])
+    reformed = _wait_for_line(pods_dir / "node0.log", "re-formed in place", pods, 300)
+    after = _workers(pods[0]) if reformed else set()
     codes = _wait(pods, 600)
     logs = _logs(pods_dir, 3)
     assert codes == [0, 0, EXIT_LEFT_POOL], "\n".join(log[-3000:] for log in logs)
-    assert pods[0].pid == trainer_pid
+    assert before and after == before  # the trainer's worker process is the one that started
     assert "rank 2 leaves the rollout pool after step 1 (3 -> 2 workers)" in logs[2]
     assert "after step 1 the rollout pool is 1 nodes; it generates step 3 on (3 -> 2 workers, re-formed in place)" \
         in logs[0]
@@ -173,11 +183,15 @@ def test_rollout_pool_grows_when_the_joiner_is_ready_then_shrinks_back(tmp_path,
     pods = _start_pods(new_dir, 3, port, nodes=[2], join=True)
     time.sleep(5)
     pods = _start_pods(pods_dir, 2, port) + pods
+    assert _wait_for_line(pods_dir / "node0.log", "training starts", pods, 300)
+    before = _workers(pods[0])
     grown = _wait_for_line(pods_dir / "node0.log", "(2 -> 3 workers, re-formed in place)", pods, 400)
     _request(pods_dir, 2, 1)
+    after = _workers(pods[0]) if grown else set()
     codes = _wait(pods, 600)
     logs = _logs(pods_dir, 2) + [(new_dir / "node2.log").read_text()]
     assert grown and codes == [0, 0, EXIT_LEFT_POOL], "\n".join(log[-3000:] for log in logs)
+    assert before and after == before  # the trainer's worker process is the one that started
     joined = re.search(r"rank 2 joined the rollout pool after step (\d+); it generates step (\d+) on", logs[2])
     left = re.search(r"rank 2 leaves the rollout pool after step (\d+)", logs[2])
     assert joined and left, logs[2][-3000:]
