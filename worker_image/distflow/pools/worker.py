@@ -23,6 +23,11 @@ and counted (``async/dropped_in_flight_samples``), and a resumed run
 regenerates them from the checkpoint's weights: no sample is trained twice,
 none is lost. With ``maxStaleness: 0`` the schedule is the sync one, step for
 step, and training is bit-identical to sync mode on as many trainer ranks.
+
+The rollout pool can change size without a checkpoint: at a step boundary
+(after the checkpoint) ``distflow.pools.elastic`` lets rollout workers leave or
+join and re-forms the world around the running processes; the schedule goes on
+at the next iteration, the steps in flight kept.
 """
 
 from __future__ import annotations
