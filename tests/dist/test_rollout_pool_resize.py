@@ -175,13 +175,15 @@ def test_rollout_pool_grows_when_the_joiner_is_ready_then_shrinks_back(tmp_path,
     pods_dir, new_dir, port = tmp_path / "pods", tmp_path / "new_pod", free_port()
     _write_spec(spec, pods_dir)
     # the operator: the request, and the new rollout pod with the spec at the new size (its own
-    # directory here; the request is shared). The new pod starts first, so that it is ready early
-    # in the run (it waits for the job's store): the steps of this tiny job take a fraction of a second.
+    # directory here; the request is shared). The new pod starts first and the running ones once it
+    # has loaded (it then waits for the job's store), so that it registers before the first step
+    # boundary however loaded the machine: the steps of this tiny job take a fraction of a second.
     _write_spec(_pooled("grow", tmp_path, 2), new_dir)
     (new_dir / "resize").symlink_to(pods_dir / "resize")
     _request(pods_dir, 3, 2)
     pods = _start_pods(new_dir, 3, port, nodes=[2], join=True)
-    time.sleep(5)
+    assert _wait_for_line(new_dir / "node2.log", "waits for the job's store", pods, 300), \
+        (new_dir / "node2.log").read_text()[-3000:]
     pods = _start_pods(pods_dir, 2, port) + pods
     assert _wait_for_line(pods_dir / "node0.log", "training starts", pods, 300)
     before = _workers(pods[0])

@@ -136,6 +136,9 @@ class RolloutPoolResize:
     def for_worker(cls, worker) -> "RolloutPoolResize":
         """The poll of a ``PoolWorker`` (its spec and the job's store); rank 0 publishes generation 0."""
         spec, env = worker.spec, worker.env
+        if env.join:
+            print(f"distflow: rank {env.rank} is loaded; it waits for the job's store at "
+                  f"{env.master_addr}:{env.master_port} to join the rollout pool", flush=True)
         store = process_group.join_store(env.master_addr, env.master_port) if env.join \
             else process_group.world_store()
         if env.rank == 0:
