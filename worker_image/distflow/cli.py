@@ -23,7 +23,7 @@ from pathlib import Path
 
 from distflow.errors import DistflowConfigError, LaunchError, UserFunctionError
 from distflow.launcher import EXIT_FAILED, EXIT_INVALID_CONFIG, EXIT_OK
-from distflow.resize import EXIT_RESIZE, StoppedForResize
+from distflow.resize import EXIT_LEFT_POOL, EXIT_RESIZE, LeftPool, StoppedForResize
 from distflow.spec import JobSpec, load_job_spec, load_rendered_spec
 
 
@@ -165,6 +165,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"distflow: {err}", file=sys.stderr)
         _termination_message(f"StoppedForResize: {err}")
         return EXIT_RESIZE
+    except LeftPool as err:
+        print(f"distflow: {err}", file=sys.stderr)
+        _termination_message(f"LeftPool: {err}")
+        return EXIT_LEFT_POOL
     except LaunchError as err:  # the message says what failed where; the driver's traceback adds nothing
         print(f"distflow: {err}", file=sys.stderr)
         if in_pod:

@@ -7,7 +7,7 @@ Its own module so that ``distflow.worker`` (``DagWorker``) and ``distflow.pools.
 from __future__ import annotations
 
 from distflow.pools.worker import PoolWorker
-from distflow.resize import EXIT_RESIZE
+from distflow.resize import EXIT_LEFT_POOL, EXIT_RESIZE
 from distflow.spec import JobSpec
 from distflow.worker import DagWorker, WorkerEnv, configure_malloc
 
@@ -17,7 +17,8 @@ def run_worker(spec: JobSpec, env: WorkerEnv, progress=None) -> list[dict[str, f
 
     Raises:
         SystemExit: with ``EXIT_RESIZE`` once the workers stopped for a resize (every rank, after its
-            clean close: the checkpoint is complete); the launcher turns it into ``StoppedForResize``.
+            clean close: the checkpoint is complete); the launcher turns it into ``StoppedForResize``;
+            with ``EXIT_LEFT_POOL`` on a rollout rank that left its pool in an in-place shrink.
     """
     configure_malloc()
     worker = (PoolWorker if spec.async_.enable else DagWorker)(spec, env)
@@ -27,6 +28,8 @@ def run_worker(spec: JobSpec, env: WorkerEnv, progress=None) -> list[dict[str, f
         worker.close(clean=False)
         raise
     worker.close()
+    if worker.left_pool:
+        raise SystemExit(EXIT_LEFT_POOL)
     if worker.stopped_for_resize:
         raise SystemExit(EXIT_RESIZE)
     return history

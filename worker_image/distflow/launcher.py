@@ -21,7 +21,7 @@ from distflow.checkpoint_origin import check_resume
 from distflow.errors import DistflowConfigError, UserFunctionError
 from distflow.preflight import check_prompt_lengths, preflight
 from distflow.progress import StepLinePrinter, progress_printer
-from distflow.resize import EXIT_RESIZE, RESIZE_KEY, StoppedForResize
+from distflow.resize import EXIT_LEFT_POOL, EXIT_RESIZE, JOIN_ENV, RESIZE_KEY, LeftPool, StoppedForResize
 from distflow.spec import JobSpec
 
 EXIT_OK = 0
@@ -84,6 +84,7 @@ def spawn_workers(main, args: tuple, num_workers: int) -> None:
         UserFunctionError: a worker's user function raised: its message, which names the function,
             the sample and the step, without the spawn machinery's traceback.
         StoppedForResize: the workers stopped at a step boundary for a resize (``EXIT_RESIZE``).
+        LeftPool: a worker left the rollout pool in an in-place shrink (``EXIT_LEFT_POOL``).
         torch.multiprocessing.ProcessRaisedException: any other worker failure (the others are stopped).
     """
     import torch.multiprocessing as mp
@@ -91,6 +92,8 @@ def spawn_workers(main, args: tuple, num_workers: int) -> None:
     try:
         mp.spawn(main, args=args, nprocs=num_workers, join=True)
     except mp.ProcessExitedException as err:
+        if err.exit_code == EXIT_LEFT_POOL:
+            raise LeftPool(f"worker {err.error_index} left the rollout pool at a step boundary") from None
         if err.exit_code != EXIT_RESIZE:
             raise
         raise StoppedForResize(f"worker {err.error_index} stopped at a step boundary for a resize "
@@ -264,6 +267,8 @@ def launch_node(spec: JobSpec, job_name: str, environ=os.environ, spec_dir: str 
 
     ``spec_dir``: the mounted ConfigMap's directory; its key ``resize`` is the operator's resize
     request (``distflow.resize``), polled at every step boundary. None: no request is polled.
+    ``DISTFLOW_JOIN=1`` in the environment: this node's workers join the running job's rollout pool
+    (``distflow.pools.elastic``); ``PET_NNODES`` and the spec are then the sizes it grows to.
 
     Raises:
         DistflowConfigError: env and spec disagree (numNodes, procsPerNode), the pod
@@ -294,7 +299,8 @@ def launch_node(spec: JobSpec, job_name: str, environ=os.environ, spec_dir: str 
                      local_world_size=nproc, node_rank=node_rank, num_nodes=nnodes,
                      master_addr=str(env["MASTER_ADDR"]), master_port=int(env["MASTER_PORT"]),
                      job_name=job_name, model_dir=model_dir, device_index=0, metrics_port=0,
-                     resize_file=str(Path(spec_dir) / RESIZE_KEY) if spec_dir is not None else "")
+                     resize_file=str(Path(spec_dir) / RESIZE_KEY) if spec_dir is not None else "",
+                     join=environ.get(JOIN_ENV, "") == "1")
     spawn_workers(_node_worker_main, (spec, base, nproc, port), nproc)
 
 

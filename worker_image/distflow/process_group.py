@@ -15,9 +15,11 @@ package for others), so no group exists that a CPU tensor cannot travel on.
 from __future__ import annotations
 
 import functools
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+from torch.distributed import distributed_c10d
 from torch.distributed.distributed_c10d import BackendConfig
 
 CPU_BACKEND = "gloo"
@@ -61,6 +63,45 @@ def init(device: torch.device, init_method: str, rank: int, world_size: int) -> 
     """Create the world group for workers on ``device`` (``backend_for(device.type)``)."""
     dist.init_process_group(backend_for(device.type), init_method=init_method, rank=rank,
                             world_size=world_size)
+
+
+def world_store():
+    """The key-value store the world group was created from: a TCPStore that rank 0 serves at
+    ``MASTER_ADDR:MASTER_PORT``. A reference held by rank 0 keeps it served after the group is
+    destroyed, so the ranks of the next world (``reform``) meet on it."""
+    store = distributed_c10d._get_default_store()
+    while isinstance(store, dist.PrefixStore):  # init_process_group's prefixes (the rendezvous adds one)
+        store = store.underlying_store
+    return store
+
+
+def join_store(master_addr: str, master_port: int, timeout_s: float = 300.0):
+    """A client of the job's store (``world_store``) for a process that is not in the world yet
+    (a rollout worker joining the pool, ``distflow.pools.elastic``).
+
+    Raises:
+        RuntimeError (torch's DistStoreError): no store answered within ``timeout_s`` seconds.
+    """
+    return dist.TCPStore(master_addr, master_port, is_master=False, timeout=timedelta(seconds=timeout_s))
+
+
+def reform(device: torch.device, store, generation: int, rank: int, world_size: int) -> None:
+    """Replace the world group by one of ``world_size`` ranks met on ``store`` (``world_store``) under
+    the key prefix of ``generation`` (each world has its own, so no key of an earlier one is read).
+
+    Collective over the new world: every rank of it calls it with the same ``generation``. Every
+    group of the old world is destroyed; the caller creates its groups again (``new_group``).
+    """
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    dist.init_process_group(backend_for(device.type), store=dist.PrefixStore(f"distflow/world{generation}/", store),
+                            rank=rank, world_size=world_size)
+
+
+def leave() -> None:
+    """Destroy this process's groups without a collective (a rank leaving the world)."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 _POOL_GROUP = None

@@ -8,37 +8,86 @@ same boundary and exit with ``EXIT_RESIZE``, which the operator reads as a resiz
 (a new attempt at the new size, not a failure). A ConfigMap update reaches the nodes
 at different moments, so the ranks agree first: one that has seen the request makes
 every rank stop (``agree`` is a max-reduction over the ranks).
+
+With pools (``async.enable``) the request may also name the rollout pool's size,
+``{"numNodes": N, "rolloutNodes": R}``. When the trainer nodes (N - R) are those of
+the running gang, it is an in-place resize of the rollout pool
+(``distflow.pools.elastic``): the gang does not stop, and ``ResizeWatch`` leaves it alone.
 """
 
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from collections.abc import Callable
 from pathlib import Path
 
 EXIT_RESIZE = 3
 """Exit code of a worker that stopped at a step boundary for a resize (checkpoint saved)."""
 
+EXIT_LEFT_POOL = 4
+"""Exit code of a rollout worker that left its pool in an in-place shrink (``distflow.pools.elastic``):
+the others go on without it; its pod is deleted, not restarted."""
+
 class StoppedForResize(Exception):
     """This node's workers stopped at a step boundary for a resize, checkpoint saved: the node
     exits with ``EXIT_RESIZE``."""
 
 
+class LeftPool(Exception):
+    """This node's rollout workers left the pool in an in-place shrink: the node exits with
+    ``EXIT_LEFT_POOL`` and the others go on without it."""
+
+
+JOIN_ENV = "DISTFLOW_JOIN"
+"""Environment variable of a pod whose workers join the running job's rollout pool ("1")."""
+
 RESIZE_KEY = "resize"
 """Key of the job's ConfigMap (and file name in the mounted spec directory)."""
 
 
-def requested_nodes(path: Path) -> int | None:
-    """The node count the operator asks for, or None when there is no readable request.
+@dataclass(frozen=True)
+class ResizeRequest:
+    """What the operator asks for: the gang's node count and, with pools, the rollout pool's."""
 
-    A missing, empty or half-written file is no request (the next boundary reads it again).
+    num_nodes: int
+    """cluster.numNodes wanted (>= 1)."""
+    rollout_nodes: int | None = None
+    """async.rolloutPool.numNodes wanted (>= 1, < ``num_nodes``); None: not named."""
+
+    def in_place_for(self, num_nodes: int, rollout_nodes: int | None) -> bool:
+        """Whether this is an in-place resize of the rollout pool of a gang of ``num_nodes`` nodes,
+        ``rollout_nodes`` of them generating (None: no pools): it names the rollout pool's size and
+        keeps the trainer nodes. (A request for the running sizes is in place, and changes nothing.)"""
+        return (rollout_nodes is not None and self.rollout_nodes is not None
+                and self.num_nodes - self.rollout_nodes == num_nodes - rollout_nodes)
+
+
+def _count(value: object, least: int) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= least else None
+
+
+def read_request(path: Path) -> ResizeRequest | None:
+    """The request in the file, or None when there is no readable request.
+
+    A missing, empty or half-written file is no request (the next boundary reads it again); so is
+    one whose ``numNodes`` is not a whole number >= 1. A ``rolloutNodes`` that is not a whole number
+    in [1, numNodes - 1] is ignored (the request is one for the whole gang).
     """
     try:
-        value = json.loads(path.read_text())
+        value = json.loads(Path(path).read_text())
     except (OSError, ValueError):
         return None
-    nodes = value.get("numNodes") if isinstance(value, dict) else None
-    return nodes if isinstance(nodes, int) and not isinstance(nodes, bool) and nodes >= 1 else None
+    if not isinstance(value, dict) or (nodes := _count(value.get("numNodes"), 1)) is None:
+        return None
+    rollout = _count(value.get("rolloutNodes"), 1)
+    return ResizeRequest(nodes, rollout if rollout is not None and rollout < nodes else None)
+
+
+def requested_nodes(path: Path) -> int | None:
+    """The node count the operator asks for, or None when there is no readable request (``read_request``)."""
+    request = read_request(path)
+    return request.num_nodes if request is not None else None
 
 
 class ResizeWatch:
@@ -49,15 +98,22 @@ class ResizeWatch:
         num_nodes: the gang's size (cluster.numNodes of this attempt).
         agree: reduces a 0/1 flag to its maximum over every rank (an all-reduce); the
             identity for a single process.
+        rollout_nodes: the rollout pool's nodes (async.rolloutPool.numNodes); None: no pools. A
+            request that is in place for it (``ResizeRequest.in_place_for``) does not stop the gang.
     """
 
-    def __init__(self, path: Path | str, num_nodes: int, agree: Callable[[int], int] = lambda flag: flag):
+    def __init__(self, path: Path | str, num_nodes: int, agree: Callable[[int], int] = lambda flag: flag,
+                 rollout_nodes: int | None = None):
         self.path, self.num_nodes, self.agree = Path(path), num_nodes, agree
+        self.rollout_nodes = rollout_nodes
         self.requested: int | None = None
         """The size this rank last read (None: no request, or one this rank has not seen yet)."""
 
     def should_stop(self) -> bool:
-        """True on every rank once any rank has seen a request for another size (collective: every
-        rank calls it at the same step boundary)."""
-        self.requested = requested_nodes(self.path)
-        return bool(self.agree(int(self.requested is not None and self.requested != self.num_nodes)))
+        """True on every rank once any rank has seen a request for another size that is not an
+        in-place resize of the rollout pool (collective: every rank calls it at the same step boundary)."""
+        request = read_request(self.path)
+        self.requested = request.num_nodes if request is not None else None
+        stop = request is not None and request.num_nodes != self.num_nodes \
+            and not request.in_place_for(self.num_nodes, self.rollout_nodes)
+        return bool(self.agree(int(stop)))

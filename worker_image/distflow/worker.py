@@ -76,6 +76,9 @@ class WorkerEnv:
     resize_file: str = ""
     """The operator's resize request, mounted from the job's ConfigMap (``distflow.resize``);
     empty: none (a local run), and no step polls for one."""
+    join: bool = False
+    """A rollout worker started to join a running job's rollout pool (``distflow.pools.elastic``):
+    ``rank`` and ``world_size`` are those of the world it joins."""
 
 
 log = logging.getLogger(__name__)
@@ -152,6 +155,8 @@ class DagWorker:
     """Polled at every step boundary when the operator can ask for a resize (a pod); None locally."""
     stopped_for_resize = False
     """``train`` stopped at a step boundary because the operator asked for another size."""
+    left_pool = False
+    """This rank left the rollout pool in an in-place shrink (``distflow.pools.elastic``): it exits."""
 
     def __init__(self, spec: JobSpec, env: WorkerEnv):
         self.spec, self.env = spec, env
@@ -168,7 +173,7 @@ class DagWorker:
             fsdp.set_tf32(spec.model.tf32)
         threads = spec.trainer.num_threads or max(1, (os.cpu_count() or 1) // env.local_world_size)
         torch.set_num_threads(threads)
-        process_group.init(self.device, f"tcp://{env.master_addr}:{env.master_port}", env.rank, env.world_size)
+        self._init_world()
         self.rank = env.rank
         self.rollout_dp_rank = self.plan.layouts[ROLLOUT].dp_rank(env.rank)
         self.step = 0
@@ -186,8 +191,13 @@ class DagWorker:
         self._received_before = 0
         self.is_logger = env.rank == 0
         self.writer = JsonlWriter(spec.trainer.log_dir) if self.is_logger else None
-        self.resize_watch = ResizeWatch(env.resize_file, env.num_nodes, _max_over_ranks) \
+        pools = spec.async_.rollout_pool.num_nodes if spec.async_.enable else None
+        self.resize_watch = ResizeWatch(env.resize_file, env.num_nodes, _max_over_ranks, pools) \
             if env.resize_file else None
+
+    def _init_world(self) -> None:
+        env = self.env
+        process_group.init(self.device, f"tcp://{env.master_addr}:{env.master_port}", env.rank, env.world_size)
 
     def _build_models(self) -> None:
         spec, env = self.spec, self.env
@@ -298,10 +308,13 @@ class DagWorker:
         data = self.spec.data
         if data.truncation == "left":
             return source
-        mine = scan_share(source, self.rank, self.env.world_size, data.max_prompt_length,
+        # A worker joining a running job has no world yet: it scans the whole set itself.
+        world = self.env.world_size if dist.is_initialized() else 1
+        mine = scan_share(source, self.rank % world, world, data.max_prompt_length,
                           prompt_length(self.tokenizer, self.spec))
-        everyone: list = [None] * self.env.world_size
-        dist.all_gather_object(everyone, mine)  # small Python lists: the CPU backend carries them
+        everyone: list = [mine] * world
+        if world > 1:
+            dist.all_gather_object(everyone, mine)  # small Python lists: the CPU backend carries them
         overlong = sorted((o for part in everyone for o in part), key=lambda o: o.index)
         return fit_prompts(source, overlong, data.truncation, data.max_prompt_length, field)
 

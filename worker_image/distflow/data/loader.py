@@ -35,6 +35,17 @@ def epoch_permutation(num_records: int, seed: int, epoch: int, shuffle: bool = T
     return np.random.default_rng([seed, epoch]).permutation(num_records).astype(np.int64)
 
 
+def _check_share(batch_size: int, dp_rank: int, dp_size: int) -> None:
+    if batch_size % dp_size:
+        lower = batch_size - batch_size % dp_size
+        raise ValueError(
+            f"data.trainBatchSize={batch_size} is not divisible by dp_size={dp_size}; "
+            f"set data.trainBatchSize to a multiple of {dp_size} (e.g. {lower or dp_size} or {lower + dp_size})"
+        )
+    if not 0 <= dp_rank < dp_size:
+        raise ValueError(f"data loader: dp_rank={dp_rank} outside [0, dp_size={dp_size})")
+
+
 class ShardedPromptLoader:
     """Yields this dp rank's prompts of each global batch; see the module docstring.
 
@@ -67,14 +78,7 @@ class ShardedPromptLoader:
     ):
         if batch_size < 1 or dp_size < 1:
             raise ValueError(f"data loader: batch_size and dp_size must be >= 1, got {batch_size}, {dp_size}")
-        if batch_size % dp_size:
-            lower = batch_size - batch_size % dp_size
-            raise ValueError(
-                f"data.trainBatchSize={batch_size} is not divisible by dp_size={dp_size}; "
-                f"set data.trainBatchSize to a multiple of {dp_size} (e.g. {lower or dp_size} or {lower + dp_size})"
-            )
-        if not 0 <= dp_rank < dp_size:
-            raise ValueError(f"data loader: dp_rank={dp_rank} outside [0, dp_size={dp_size})")
+        _check_share(batch_size, dp_rank, dp_size)
         self.source = open_source(source)
         self.num_records = self.source.num_records
         if self.num_records < batch_size:
@@ -137,6 +141,16 @@ class ShardedPromptLoader:
         mine = batch[self.dp_rank * local : (self.dp_rank + 1) * local]
         self.offset += self.batch_size
         return self.source.read(mine.tolist())
+
+    def reshard(self, dp_rank: int, dp_size: int) -> None:
+        """Read share ``dp_rank`` of ``dp_size`` from the next step on, at the same position (epoch,
+        offset are global): the stream goes on, no prompt skipped or read twice over the ranks.
+
+        Raises:
+            ValueError: ``batch_size`` not divisible by ``dp_size``, or ``dp_rank`` outside ``[0, dp_size)``.
+        """
+        _check_share(self.batch_size, dp_rank, dp_size)
+        self.dp_rank, self.dp_size = dp_rank, dp_size
 
     def take_read_batches(self) -> list[np.ndarray]:
         """The global batches ([batch_size] record indices, all ranks' parts) that :meth:`next_batch`

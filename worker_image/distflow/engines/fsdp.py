@@ -148,6 +148,46 @@ def sync_rollout_weights(actor: torch.nn.Module, rollout_model: torch.nn.Module)
     return moved
 
 
+def rebind_mesh(mesh: DeviceMesh, new_mesh: DeviceMesh, models) -> None:
+    """Serve ``mesh`` with ``new_mesh``'s process groups, in place: after the world was re-formed
+    (``process_group.reform``) around ranks that keep their mesh (the trainer pool when only the
+    rollout pool resizes), the models stay as they are: every parameter, gradient and optimizer
+    state is a DTensor on ``mesh`` whose local shard is unchanged, so only the groups its
+    collectives run on are replaced (the mesh's, and the ones FSDP2 took from it at ``fully_shard``).
+
+    Args:
+        mesh: the mesh the models were sharded over, whose groups the old world destroyed.
+        new_mesh: the same ranks and shape, built in the new world (``pool_mesh``).
+        models: the modules sharded over ``mesh`` (None entries are skipped).
+
+    Raises:
+        ValueError: the meshes' ranks or dimension names differ.
+    """
+    if mesh.mesh.tolist() != new_mesh.mesh.tolist() or mesh.mesh_dim_names != new_mesh.mesh_dim_names:
+        raise ValueError(f"cannot rebind mesh {mesh} to {new_mesh}: ranks or dimensions differ")
+    # DeviceMesh resolves its groups by name at each collective (get_group); no public setter exists.
+    mesh._dim_group_names = list(new_mesh._dim_group_names)
+    mesh._pg_registry = dict(new_mesh._pg_registry)
+    for model in models:
+        for unit in _fsdp_modules(model) if model is not None else ():
+            group = unit._get_fsdp_state()._fsdp_param_group
+            if group is None:
+                continue
+            infos = [group.mesh_info, group.post_forward_mesh_info]
+            infos += [i for p in group.fsdp_params for i in (p.mesh_info, p.post_forward_mesh_info)]
+            for info in {id(i): i for i in infos if i is not None}.values():
+                _refresh_groups(info)
+
+
+def _refresh_groups(info) -> None:
+    """An FSDP2 mesh info's groups, taken from its mesh again (what its ``__post_init__`` does)."""
+    if getattr(info, "shard_mesh_dim", None) is not None:
+        info.shard_process_group = info.mesh.get_group(info.shard_mesh_dim)
+        info.reduce_scatter_process_group = None
+    if getattr(info, "replicate_mesh_dim", None) is not None and hasattr(info, "replicate_process_group"):
+        info.replicate_process_group = info.mesh.get_group(info.replicate_mesh_dim)
+
+
 def _fsdp_modules(model: torch.nn.Module) -> list[FSDPModule]:
     return [m for m in model.modules() if isinstance(m, FSDPModule)]
 

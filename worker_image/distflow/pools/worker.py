@@ -23,6 +23,11 @@ and counted (``async/dropped_in_flight_samples``), and a resumed run
 regenerates them from the checkpoint's weights: no sample is trained twice,
 none is lost. With ``maxStaleness: 0`` the schedule is the sync one, step for
 step, and training is bit-identical to sync mode on as many trainer ranks.
+
+The rollout pool can change size without a checkpoint: at a step boundary
+(after the checkpoint) ``distflow.pools.elastic`` lets rollout workers leave or
+join and re-forms the world around the running processes; the schedule goes on
+at the next iteration, the steps in flight kept.
 """
 
 from __future__ import annotations
@@ -43,9 +48,11 @@ from distflow.engines.rollout import HfRollout
 from distflow.metrics import StepMetrics
 from distflow.models import DTYPES, load_tokenizer
 from distflow.planner import ROLLOUT, TRAIN
+from distflow.pools.elastic import RolloutPoolResize
 from distflow.pools.weight_sync import WeightSync
 from distflow.stages import STAGES, StageModels
-from distflow.worker import DagWorker, _seed_everything
+from distflow.spec import JobSpec
+from distflow.worker import DagWorker, WorkerEnv, _seed_everything
 
 log = logging.getLogger(__name__)
 
@@ -70,24 +77,49 @@ class PoolWorker(DagWorker):
     """One worker of a pooled (``async.enable``) job: of the trainer pool (ranks ``0 .. T-1``) or
     of the rollout pool (ranks ``T .. W-1``), as the plan's layouts say."""
 
+    def __init__(self, spec: JobSpec, env: WorkerEnv) -> None:
+        super().__init__(spec, env)
+        self.elastic = RolloutPoolResize.for_worker(self) if env.resize_file else None
+        """The in-place resize of the rollout pool, polled at each step boundary (pods only)."""
+
     # ---- construction ----------------------------------------------------------------------
 
-    def _build_models(self) -> None:
-        spec, env, plan = self.spec, self.env, self.plan
-        self.train_layout, self.rollout_layout = plan.layouts[TRAIN], plan.layouts[ROLLOUT]
-        self.trains = self.train_layout.holds(env.rank)
+    def _take_layouts(self) -> None:
+        self.train_layout, self.rollout_layout = self.plan.layouts[TRAIN], self.plan.layouts[ROLLOUT]
+        self.trains = self.train_layout.holds(self.env.rank)
+
+    def _init_world(self) -> None:
+        if not self.env.join:
+            super()._init_world()
+
+    def _build_groups(self) -> None:
+        """The layouts of the plan, and every process group of a pooled job: the trainer pool's FSDP
+        mesh (``self.mesh``), each pool's group, the weight sync's. Collective over the world, and run
+        again in each new world of an in-place resize of the rollout pool (``distflow.pools.elastic``)."""
+        spec, env = self.spec, self.env
+        self._take_layouts()
         trainers = list(range(self.train_layout.num_ranks))
         rollouts = list(range(self.rollout_layout.first_rank, env.world_size))
         # Every rank creates every group, in the same order (new_group is collective over the world).
-        compute = DTYPES[spec.model.compute_dtype]
-        mesh = fsdp.pool_mesh(self.device, len(trainers), spec.cluster.data_parallel_replicate_degree or 1)
+        self.mesh = fsdp.pool_mesh(self.device, len(trainers), spec.cluster.data_parallel_replicate_degree or 1)
         train_group = process_group.new_group(trainers)  # the whole pool (HSDP's mesh: one group per dimension)
         rollout_group = process_group.new_group(rollouts)
         self.train_group = train_group if self.trains else None
         sync_group = process_group.new_group([0] + rollouts)
         self.pool_group = self.train_group if self.trains else rollout_group
         process_group.set_pool_group(self.pool_group)
-        self.weight_sync = WeightSync(sync_group, 0, compute, spec.rollout.weight_sync_bucket_mb << 20, self.device)
+        self.weight_sync = WeightSync(sync_group, 0, DTYPES[spec.model.compute_dtype],
+                                      spec.rollout.weight_sync_bucket_mb << 20, self.device)
+
+    def _build_models(self) -> None:
+        spec, env, plan = self.spec, self.env, self.plan
+        if env.join:  # its world does not exist yet: the groups (and the mesh) are built when it joins
+            self._take_layouts()
+            self.mesh = None
+        else:
+            self._build_groups()
+        trainers, mesh = list(range(self.train_layout.num_ranks)), self.mesh
+        compute = DTYPES[spec.model.compute_dtype]
         self.rollout_chain, self.train_chain = split_chain(plan.chain)
         _seed_everything(spec.trainer.seed)
         self.tokenizer = load_tokenizer(env.model_dir)
@@ -216,10 +248,13 @@ class PoolWorker(DagWorker):
     # ---- the run ---------------------------------------------------------------------------
 
     def train(self, progress=None) -> list[dict[str, float]]:
-        spec, s = self.spec, self.plan.staleness
-        total = spec.trainer.total_steps
-        history = []
         chaos.install(self)
+        if self.elastic is not None and self.elastic.joining:
+            # A rollout worker joining the pool: the world, the step and the policy come from the running ranks.
+            start = self.elastic.join(self)  # the steps trained so far; the next iteration is start + s
+            return self._iterations(start + self.plan.staleness, start, 0, progress)
+        spec = self.spec
+        total = spec.trainer.total_steps
         if spec.checkpoint.dir and self.env.resume and spec.checkpoint.resume == "auto":
             self.step = checkpoint.load_latest(spec.checkpoint.dir, self)
             if self.step and self.is_logger:
@@ -238,10 +273,17 @@ class PoolWorker(DagWorker):
             self._log({"training/step": 0, **self._eval_metrics()})
         if progress:
             progress(self.step, {})
+        return self._iterations(start, start, self._dropped_in_flight(start), progress)
+
+    def _iterations(self, first: int, start: int, dropped: int, progress) -> list[dict[str, float]]:
+        """Iterations ``first ..`` of the schedule (see the module's diagram) in a run that started
+        at step ``start``; ``dropped``: the samples in flight a resume dropped, reported once."""
+        spec, history = self.spec, []
+        total = spec.trainer.total_steps
         pending: dict[int, PackedBatch] = {}
         rollout_metrics: dict[int, dict] = {}
-        dropped = self._dropped_in_flight(start)
-        for i in range(start, total + s):
+        s = self.plan.staleness
+        for i in range(first, total + s):
             iteration_start = time.perf_counter()
             gen_step = i if i < total else None
             train_step = i - s if i - s >= start else None
@@ -288,6 +330,8 @@ class PoolWorker(DagWorker):
                 progress(self.step, out)
             if self._step_boundary():  # the steps in flight are dropped, as on any resume
                 break
+            if self.elastic is not None and self.elastic.at_step_boundary(self):
+                break  # this rank left the rollout pool
         chaos.write_tally()
         return history
 
