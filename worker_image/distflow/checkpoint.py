@@ -19,7 +19,10 @@ previous complete checkpoint as it was.
 
 Read: rank 0 checks the newest candidate against its manifest (sizes and
 checksums); a torn, partial or corrupt one is skipped with a message and the
-previous one is tried. Every rank then loads the chosen one. The model and
+previous one is tried (``choose``). Every rank then loads the chosen one
+(``load``), after checking that it holds every parameter of the models it
+fills at their shapes: a resumed worker builds its actor and critic without
+reading the pretrained weights, so the checkpoint must fill them all. The model and
 optimizer are resharded by torch.distributed.checkpoint, so a checkpoint
 written by N workers loads on M; the dataloader state is global (see
 ``distflow.data.loader``). Per-rank RNG state is restored only at the same
@@ -37,6 +40,7 @@ import shutil
 import hashlib
 import json
 import os
+import pickle
 import random
 import re
 from pathlib import Path
@@ -60,6 +64,11 @@ _STEP_DIR = re.compile(rf"^{PREFIX}(\d{{8}})(\.tmp)?$")
 
 class CheckpointError(RuntimeError):
     """Writing a checkpoint failed (disk full, storage unreachable); the previous one is intact."""
+
+
+class UnusableCheckpointError(RuntimeError):
+    """The checkpoint chosen for resume lacks a parameter of the models it must fill, or holds
+    it at another shape (made from another model or workflow)."""
 
 
 class _Store:
@@ -320,21 +329,47 @@ def newest_trainer_state(root: str | os.PathLike) -> tuple[str, dict] | None:
     return None
 
 
-def load_latest(root: str | os.PathLike, worker) -> int:
-    """Collective: restore the newest verified checkpoint into ``worker``; the step to continue from.
-
-    Returns 0 when there is none.
-    """
+def choose(root: str | os.PathLike) -> str | None:
+    """Collective: the name (``step_N``) of the newest checkpoint that passes :func:`verify` with
+    checksums, the same on every rank (rank 0 checks and broadcasts); None when there is none."""
     store = _Store(root)
     chosen = [_choose(store) if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(chosen, src=0)
-    name = chosen[0]
+    return chosen[0]
+
+
+def load_latest(root: str | os.PathLike, worker) -> int:
+    """Collective: restore the newest verified checkpoint into ``worker``; the step to continue from.
+
+    Returns 0 when there is none. Raises as :func:`load`.
+    """
+    return load(root, choose(root), worker)
+
+
+def load(root: str | os.PathLike, name: str | None, worker) -> int:
+    """Collective: restore checkpoint ``name`` (from :func:`choose`) into ``worker``; its step.
+
+    Returns 0 when ``name`` is None. The actor's (and critic's) parameters are all written:
+    ``worker`` may have built them uninitialised.
+
+    Raises:
+        UnusableCheckpointError: on every rank, naming the checkpoint, when it lacks a parameter
+            of the actor or critic or holds one at another shape (nothing is loaded).
+    """
     if name is None:
         return 0
+    store = _Store(root)
     with store.fs.open(store.path(name, "trainer.json"), "rb") as f:
         meta = json.loads(f.read())
     if _trains(worker):
         state = _train_state(worker)
+        problems = _unfilled(store, name, state, worker)
+        if problems:
+            more = f" (and {len(problems) - 5} more)" if len(problems) > 5 else ""
+            raise UnusableCheckpointError(
+                f"checkpoint {store.location(name)} cannot resume this run: {'; '.join(problems[:5])}{more}. "
+                "It was made from another model or workflow; resume it under those, or start over: "
+                "distflow run --no-resume (moves the old run aside) or another checkpoint.dir")
         dcp.load(state, checkpoint_id=store.location(name), process_group=getattr(worker, "train_group", None))
         set_state_dict(worker.actor.model, worker.actor.optimizer,
                        model_state_dict=state["model"], optim_state_dict=state["optim"])
@@ -355,3 +390,26 @@ def load_latest(root: str | os.PathLike, worker) -> int:
     if worker.actor is not None:  # a rollout pool's replicas get the weights from the trainer pool's sync
         worker.rollout.sync(worker.actor.model)
     return int(meta["step"])
+
+
+def _unfilled(store: _Store, name: str, state: dict, worker) -> list[str]:
+    """Why loading ``name`` into ``state`` (``_train_state``) would leave a parameter of the actor
+    or critic unwritten: one line per parameter that no loaded entry holds, that the checkpoint
+    lacks, or that it holds at another (global) shape. Empty: the load writes every parameter."""
+    with store.fs.open(store.path(name, ".metadata"), "rb") as f:
+        saved = pickle.load(f).state_dict_metadata  # as torch.distributed.checkpoint's reader does
+    problems = []
+    models = {"model": worker.actor.model, "critic": worker.critic.model if worker.critic is not None else None}
+    for part, model in models.items():
+        if model is None:
+            continue
+        loaded = state[part]
+        problems += [f"{part} parameter {n} is not in the state loaded"
+                     for n, _ in model.named_parameters() if n not in loaded]
+        for key, tensor in loaded.items():
+            entry = saved.get(f"{part}.{key}")
+            if entry is None:
+                problems.append(f"it lacks {part}.{key}")
+            elif tuple(entry.size) != tuple(tensor.shape):
+                problems.append(f"{part}.{key} is {tuple(entry.size)} in it, {tuple(tensor.shape)} in this run")
+    return problems
