@@ -10,9 +10,10 @@ Layout under ``checkpoint.dir`` (a local path, e.g. a PVC, or an fsspec URL such
         manifest.json        written last: size and sha256 of each file above
     step_00000016.tmp/       being written (local storage); ignored by resume, removed by the next save
 
-Write: every rank writes its shards, then rank 0 writes trainer.json, reads
-every file back to hash it, writes the manifest last, and (on a local
-filesystem) renames ``.tmp`` into place. An object store has no atomic
+Write: every rank writes its shards (fsynced), then the ranks read every
+file back and hash it, each a share of the bytes (``hash_shares``), and rank 0
+writes trainer.json, the manifest last, and (on a local filesystem) renames
+``.tmp`` into place; older checkpoints are pruned after the commit. An object store has no atomic
 rename; there the shards go to ``step_N/`` directly and the manifest, one
 atomic PUT, is the commit. Either way a crash at any point leaves the
 previous complete checkpoint as it was.
@@ -38,6 +39,7 @@ from __future__ import annotations
 import errno
 import shutil
 import hashlib
+import io
 import json
 import os
 import pickle
@@ -114,15 +116,62 @@ def _sha256(fs, path: str) -> str:
     return digest.hexdigest()
 
 
-def _build_manifest(store: _Store, name: str, step: int) -> dict:
-    """Sizes (bytes) and sha256 of every file of ``name``, read back from storage."""
+def _file_sizes(store: _Store, name: str) -> dict[str, int]:
+    """Size (bytes) of every file of ``name`` but its manifest, by path relative to ``name``."""
     base = store.path(name)
-    files = {}
+    sizes = {}
     for path, info in sorted(store.fs.find(base, detail=True).items()):
         rel = path[len(base.rstrip("/")) + 1:]
         if rel != MANIFEST:
-            files[rel] = {"size": int(info["size"]), "sha256": _sha256(store.fs, path)}
-    return {"format": 1, "step": step, "files": files}
+            sizes[rel] = int(info["size"])
+    return sizes
+
+
+def _build_manifest(store: _Store, name: str, step: int, digests: dict[str, str] | None = None) -> dict:
+    """Sizes (bytes) and sha256 of every file of ``name``, read back from storage; ``digests``
+    gives the sha256 of files already read back and hashed (``_hash_together``)."""
+    digests = digests or {}
+    return {"format": 1, "step": step, "files": {
+        rel: {"size": size, "sha256": digests.get(rel) or _sha256(store.fs, store.path(name, rel))}
+        for rel, size in _file_sizes(store, name).items()}}
+
+
+def hash_shares(sizes: dict[str, int], num_ranks: int) -> list[list[str]]:
+    """The files each of ``num_ranks`` ranks reads back and hashes: the largest first, each to the
+    rank with the fewest bytes so far (ties: the lower rank). Pure; every rank computes the same.
+
+    Args:
+        sizes: file name -> size in bytes.
+    """
+    loads, shares = [0] * num_ranks, [[] for _ in range(num_ranks)]
+    for rel in sorted(sizes, key=lambda r: (-sizes[r], r)):
+        rank = min(range(num_ranks), key=lambda r: (loads[r], r))
+        shares[rank].append(rel)
+        loads[rank] += sizes[rel]
+    return shares
+
+
+def _hash_together(store: _Store, name: str, step: int) -> tuple[dict[str, str], str | None]:
+    """Collective: (file -> sha256 of every file of ``name`` now, read back from storage with each
+    rank hashing its ``hash_shares`` share, the same on every rank; the first error, or None)."""
+    listing: list = [None, None]
+    if dist.get_rank() == 0:
+        try:
+            listing[0] = _file_sizes(store, name)
+        except OSError as err:
+            listing[1] = _failure_message(store, step, err)
+    dist.broadcast_object_list(listing, src=0)
+    sizes, error = listing
+    digests = {}
+    if error is None:
+        try:
+            digests = {rel: _sha256(store.fs, store.path(name, rel))
+                       for rel in hash_shares(sizes, dist.get_world_size())[dist.get_rank()]}
+        except OSError as err:
+            error = _failure_message(store, step, err)
+    parts: list = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, (digests, error))
+    return {rel: sha for part, _ in parts for rel, sha in part.items()}, next((e for _, e in parts if e), None)
 
 
 def verify(store: _Store, name: str, checksums: bool = True) -> str | None:
@@ -227,30 +276,37 @@ def save(root: str | os.PathLike, step: int, worker, keep_last: int) -> str:
             if _trains(worker):  # a rollout pool (distflow.pools) holds no trained state
                 dcp.save(_train_state(worker), checkpoint_id=store.location(work),
                          process_group=getattr(worker, "train_group", None))
-            with store.fs.open(store.path(work, f"rank_{rank:05d}.pt"), "wb") as f:
-                torch.save({"rng": _rng_state()}, f)
+            rng = io.BytesIO()
+            torch.save({"rng": _rng_state()}, rng)
+            store.write_bytes(f"{work}/rank_{rank:05d}.pt", rng.getvalue())
         except (Exception, CheckpointException) as err:  # noqa: BLE001 - every rank must reach _agree
             # (torch's CheckpointException, which carries every rank's error, is a BaseException)
             error = _failure_message(store, step, err)
         chaos.hit("checkpoint")
         error = _agree(error)
+    digests: dict[str, str] = {}
+    if error is None:
+        digests, error = _hash_together(store, work, step)
     if error is None and rank == 0:
-        error = _commit(store, work, final, step, worker, keep_last)
+        error = _commit(store, work, final, step, worker, digests)
     error = _agree(error if rank == 0 else None)
     if error is not None:
         if rank == 0:
             _remove_quietly(store, work)
         raise CheckpointError(error)
+    if rank == 0:  # after the agreement: the other ranks need not wait for the deletes
+        _prune(store, keep_last)
     return store.location(final)
 
 
-def _commit(store: _Store, work: str, final: str, step: int, worker, keep_last: int) -> str | None:
-    """Rank 0: trainer.json, the manifest (last), the rename, then pruning. Returns an error message or None."""
+def _commit(store: _Store, work: str, final: str, step: int, worker, digests: dict[str, str]) -> str | None:
+    """Rank 0: trainer.json, the manifest (last; ``digests`` holds the other files' sha256), the
+    rename. Returns an error message or None."""
     try:
         meta = {"step": step, "loader": worker.loader.state_dict(), "world_size": dist.get_world_size(),
                 "kl_ctrl": worker.kl_ctrl.state_dict(), "made_from": worker.made_from}
         store.write_bytes(f"{work}/trainer.json", json.dumps(meta).encode())
-        manifest = _build_manifest(store, work, step)
+        manifest = _build_manifest(store, work, step, digests)
         store.write_bytes(f"{work}/{MANIFEST}", json.dumps(manifest, indent=1).encode())
         chaos.hit("checkpoint")
         if work != final:
@@ -259,7 +315,6 @@ def _commit(store: _Store, work: str, final: str, step: int, worker, keep_last: 
         chaos.hit("checkpoint")
     except OSError as err:
         return _failure_message(store, step, err)
-    _prune(store, keep_last)
     return None
 
 
