@@ -19,8 +19,8 @@ atomic PUT, is the commit. Either way a crash at any point leaves the
 previous complete checkpoint as it was.
 
 Read: rank 0 checks the newest candidate against its manifest (sizes and
-checksums); a torn, partial or corrupt one is skipped with a message and the
-previous one is tried (``choose``). Every rank then loads the chosen one
+checksums, the ranks hashing a share each); a torn, partial or corrupt one is
+skipped with a message and the previous one is tried (``choose``). Every rank then loads the chosen one
 (``load``), after checking that it holds every parameter of the models it
 fills at their shapes: a resumed worker builds its actor and critic without
 reading the pretrained weights, so the checkpoint must fill them all. The model and
@@ -151,9 +151,24 @@ def hash_shares(sizes: dict[str, int], num_ranks: int) -> list[list[str]]:
     return shares
 
 
+def _digests_together(store: _Store, name: str, sizes: dict[str, int]) -> tuple[dict[str, str], str | None]:
+    """Collective: (file -> sha256 of the files of ``name`` that ``sizes`` lists, read back from
+    storage, each rank hashing its ``hash_shares`` share; the first rank's read error, or None),
+    the same on every rank."""
+    digests, error, rel = {}, None, ""
+    try:
+        for rel in hash_shares(sizes, dist.get_world_size())[dist.get_rank()]:
+            digests[rel] = _sha256(store.fs, store.path(name, rel))
+    except OSError as err:
+        error = f"{rel}: {err}"
+    parts: list = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, (digests, error))
+    return {rel: sha for part, _ in parts for rel, sha in part.items()}, next((e for _, e in parts if e), None)
+
+
 def _hash_together(store: _Store, name: str, step: int) -> tuple[dict[str, str], str | None]:
-    """Collective: (file -> sha256 of every file of ``name`` now, read back from storage with each
-    rank hashing its ``hash_shares`` share, the same on every rank; the first error, or None)."""
+    """Collective: (file -> sha256 of every file of ``name`` now (``_digests_together``); the
+    failure message, or None), the same on every rank."""
     listing: list = [None, None]
     if dist.get_rank() == 0:
         try:
@@ -162,16 +177,10 @@ def _hash_together(store: _Store, name: str, step: int) -> tuple[dict[str, str],
             listing[1] = _failure_message(store, step, err)
     dist.broadcast_object_list(listing, src=0)
     sizes, error = listing
-    digests = {}
-    if error is None:
-        try:
-            digests = {rel: _sha256(store.fs, store.path(name, rel))
-                       for rel in hash_shares(sizes, dist.get_world_size())[dist.get_rank()]}
-        except OSError as err:
-            error = _failure_message(store, step, err)
-    parts: list = [None] * dist.get_world_size()
-    dist.all_gather_object(parts, (digests, error))
-    return {rel: sha for part, _ in parts for rel, sha in part.items()}, next((e for _, e in parts if e), None)
+    if error is not None:
+        return {}, error
+    digests, error = _digests_together(store, name, sizes)
+    return digests, None if error is None else _failure_message(store, step, error)
 
 
 def verify(store: _Store, name: str, checksums: bool = True) -> str | None:
@@ -361,16 +370,24 @@ def _train_state(worker) -> dict:
     return state
 
 
-def _choose(store: _Store) -> str | None:
-    """Rank 0: the newest checkpoint that passes :func:`verify`, saying which ones were skipped and why."""
-    dirs = store.step_dirs()
-    for name in sorted((n for n in dirs if not n.endswith(".tmp")), reverse=True):
-        reason = verify(store, name)
-        if reason is None:
-            return name
-        print(f"distflow: skipping checkpoint {store.location(name)}: {reason}; trying the previous one",
-              flush=True)
-    return None
+def _checksum_problem(store: _Store, name: str) -> str | None:
+    """Collective, after rank 0's cheap :func:`verify` of ``name`` (broadcast): why its files do not
+    match the manifest's sha256 (the ranks hash a share each), or None; the same on every rank."""
+    head: list = [None, None]
+    if dist.get_rank() == 0:
+        head[0] = verify(store, name, checksums=False)
+        if head[0] is None:
+            with store.fs.open(store.path(name, MANIFEST), "rb") as f:
+                head[1] = json.loads(f.read())["files"]
+    dist.broadcast_object_list(head, src=0)
+    reason, files = head
+    if reason is not None:
+        return reason
+    digests, error = _digests_together(store, name, {rel: want["size"] for rel, want in files.items()})
+    if error is not None:
+        return f"it could not be read back ({error})"
+    return next((f"{rel} does not match its sha256 in the manifest (corrupt)"
+                 for rel, want in files.items() if digests[rel] != want["sha256"]), None)
 
 
 def newest_trainer_state(root: str | os.PathLike) -> tuple[str, dict] | None:
@@ -386,11 +403,20 @@ def newest_trainer_state(root: str | os.PathLike) -> tuple[str, dict] | None:
 
 def choose(root: str | os.PathLike) -> str | None:
     """Collective: the name (``step_N``) of the newest checkpoint that passes :func:`verify` with
-    checksums, the same on every rank (rank 0 checks and broadcasts); None when there is none."""
+    checksums, the same on every rank; None when there is none. Rank 0 says which ones it
+    skipped and why; the ranks read back and hash a share of each candidate's bytes."""
     store = _Store(root)
-    chosen = [_choose(store) if dist.get_rank() == 0 else None]
-    dist.broadcast_object_list(chosen, src=0)
-    return chosen[0]
+    names = [sorted((n for n in store.step_dirs() if not n.endswith(".tmp")), reverse=True)
+             if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(names, src=0)
+    for name in names[0]:
+        reason = _checksum_problem(store, name)
+        if reason is None:
+            return name
+        if dist.get_rank() == 0:
+            print(f"distflow: skipping checkpoint {store.location(name)}: {reason}; trying the previous one",
+                  flush=True)
+    return None
 
 
 def load_latest(root: str | os.PathLike, worker) -> int:
