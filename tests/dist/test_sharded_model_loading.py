@@ -2,89 +2,13 @@
 engine's own copy is filled from the actor's shards, and a rank's peak host memory while it
 loads the critic falls with the world size."""
 
-from contextlib import contextmanager
-
 import pytest
 import torch
 
+from _model_reads import recording_reads, models_only_worker
 from _spawn import run_on_ranks
 
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(900)]
-
-
-class _RecordedFile:
-    """A safetensors handle that records the rows each read takes: (name, start, stop, of rows)."""
-
-    def __init__(self, handle, reads: list) -> None:
-        self.handle, self.reads = handle, reads
-
-    def __enter__(self):
-        self.handle.__enter__()
-        return self
-
-    def __exit__(self, *exc):
-        return self.handle.__exit__(*exc)
-
-    def keys(self):
-        return self.handle.keys()
-
-    def get_tensor(self, name):
-        tensor = self.handle.get_tensor(name)
-        self.reads.append((name, 0, tensor.shape[0], tensor.shape[0]))
-        return tensor
-
-    def get_slice(self, name):
-        return _RecordedSlice(name, self.handle.get_slice(name), self.reads)
-
-
-class _RecordedSlice:
-    """A lazy safetensors slice that records the rows read from it."""
-
-    def __init__(self, name: str, piece, reads: list) -> None:
-        self.name, self.piece, self.reads = name, piece, reads
-
-    def __getitem__(self, rows: slice):
-        num_rows = self.piece.get_shape()[0]
-        self.reads.append((self.name, *rows.indices(num_rows)[:2], num_rows))
-        return self.piece[rows]
-
-
-@contextmanager
-def _recording_reads():
-    """Record what is read: the rows of every safetensors read, and ``from_pretrained`` calls."""
-    import safetensors
-    import transformers
-
-    reads: list = []
-    real_open = safetensors.safe_open
-    real_from_pretrained = transformers.PreTrainedModel.__dict__["from_pretrained"]  # the classmethod itself
-
-    def from_pretrained(cls, *args, **kwargs):
-        reads.append(("from_pretrained", 0, 1, 1))
-        return real_from_pretrained.__func__(cls, *args, **kwargs)
-
-    safetensors.safe_open = lambda *a, **k: _RecordedFile(real_open(*a, **k), reads)
-    transformers.PreTrainedModel.from_pretrained = classmethod(from_pretrained)
-    try:
-        yield reads
-    finally:
-        safetensors.safe_open = real_open
-        transformers.PreTrainedModel.from_pretrained = real_from_pretrained
-
-
-def _worker(spec_dict: dict, world: int, model_dir: str):
-    from distflow.planner import build_plan
-    from distflow.spec import parse_spec
-    from distflow.spec.defaults import resolve_device_defaults
-    from distflow.worker import DagWorker, WorkerEnv
-
-    spec = resolve_device_defaults(parse_spec(spec_dict), "cpu")  # as DagWorker.__init__ does
-    worker = DagWorker.__new__(DagWorker)  # the models only: no data, exporter or coordinator
-    worker.spec, worker.plan, worker.device = spec, build_plan(spec), torch.device("cpu")
-    worker.env = WorkerEnv(rank=torch.distributed.get_rank(), world_size=world, local_rank=0, local_world_size=1,
-                           node_rank=0, num_nodes=1, master_addr="", master_port=0, job_name="t",
-                           model_dir=model_dir, device_index=0)
-    return worker
 
 
 PPO = {"model": {"path": "tiny:byte"}, "data": {"train": {"path": "arithmetic"}, "trainBatchSize": 4},
@@ -97,8 +21,8 @@ def _build_all_models(rank, world):
     from distflow.models import load_causal_lm, model_cache_dir, resolve_model
 
     model_dir = str(resolve_model("tiny:byte", model_cache_dir()))
-    worker = _worker(PPO | {"cluster": {"procsPerNode": world}}, world, model_dir)
-    with _recording_reads() as reads:
+    worker = models_only_worker(PPO | {"cluster": {"procsPerNode": world}}, world, model_dir)
+    with recording_reads() as reads:
         worker._build_models()
     plain = load_causal_lm(model_dir, "float32")
     copy = worker.rollout.weights.copy
@@ -143,7 +67,7 @@ def _critic_peak_rss(rank, world, model_dir):
     from tests.bench._common import peak_rss_bytes, reset_peak_rss
 
     torch.set_num_threads(1)
-    worker = _worker(PPO, world, model_dir)
+    worker = models_only_worker(PPO, world, model_dir)
     mesh = fsdp.dp_mesh(torch.device("cpu"), world)
     # Imports first (the model's code, FSDP's): their memory is the same at every W and not loading's.
     with init_empty_weights(include_buffers=False):

@@ -110,3 +110,14 @@ def test_loader_hands_out_the_global_batches_it_read(tmp_path):
     loader.next_batch()
     assert [b.tolist() for b in loader.take_read_batches()] == [[0, 1, 2, 3], [4, 5, 6, 7]]
     assert loader.take_read_batches() == []
+
+
+def test_hash_shares_spread_the_bytes_over_the_ranks_largest_first():
+    sizes = {"__0_0.distcp": 800, "__1_0.distcp": 810, ".metadata": 5, "rank_00000.pt": 2, "rank_00001.pt": 2,
+             "trainer.json": 1}
+    assert checkpoint.hash_shares(sizes, 2) == [
+        ["__1_0.distcp"], ["__0_0.distcp", ".metadata", "rank_00000.pt", "rank_00001.pt", "trainer.json"]]
+    assert checkpoint.hash_shares(sizes, 4) == [
+        ["__1_0.distcp"], ["__0_0.distcp"], [".metadata"], ["rank_00000.pt", "rank_00001.pt", "trainer.json"]]
+    assert checkpoint.hash_shares(sizes, 1) == [sorted(sizes, key=lambda r: (-sizes[r], r))]
+    assert checkpoint.hash_shares({}, 3) == [[], [], []]

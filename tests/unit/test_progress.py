@@ -54,7 +54,7 @@ def _stand_in_worker(tmp_path, total_steps: int) -> DagWorker:
 
 @pytest.mark.parametrize("checkpoint_step", [0, 12])
 def test_train_reports_the_start_step_before_the_first_step(tmp_path, monkeypatch, checkpoint_step):
-    monkeypatch.setattr(worker_module.checkpoint, "load_latest", lambda root, worker: checkpoint_step)
+    monkeypatch.setattr(worker_module.checkpoint, "load", lambda root, name, worker: checkpoint_step)
     monkeypatch.setattr(worker_module.checkpoint, "save", lambda *args: None)
     calls = []
     _stand_in_worker(tmp_path, total_steps=14).train(lambda step, metrics: calls.append((step, metrics)))
@@ -64,7 +64,7 @@ def test_train_reports_the_start_step_before_the_first_step(tmp_path, monkeypatc
 
 
 def test_printer_of_a_run_resumed_at_its_last_step_is_stopped(tmp_path, monkeypatch):
-    monkeypatch.setattr(worker_module.checkpoint, "load_latest", lambda root, worker: 14)
+    monkeypatch.setattr(worker_module.checkpoint, "load", lambda root, name, worker: 14)
     printer = ProgressPrinter(14, console=Console(file=io.StringIO(), color_system=None))
     assert _stand_in_worker(tmp_path, total_steps=14).train(printer) == []
     assert printer.bar.tasks[0].completed == 14 and not printer.bar.live.is_started

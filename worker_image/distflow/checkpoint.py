@@ -10,16 +10,20 @@ Layout under ``checkpoint.dir`` (a local path, e.g. a PVC, or an fsspec URL such
         manifest.json        written last: size and sha256 of each file above
     step_00000016.tmp/       being written (local storage); ignored by resume, removed by the next save
 
-Write: every rank writes its shards, then rank 0 writes trainer.json, reads
-every file back to hash it, writes the manifest last, and (on a local
-filesystem) renames ``.tmp`` into place. An object store has no atomic
+Write: every rank writes its shards (fsynced), then the ranks read every
+file back and hash it, each a share of the bytes (``hash_shares``), and rank 0
+writes trainer.json, the manifest last, and (on a local filesystem) renames
+``.tmp`` into place; older checkpoints are pruned after the commit. An object store has no atomic
 rename; there the shards go to ``step_N/`` directly and the manifest, one
 atomic PUT, is the commit. Either way a crash at any point leaves the
 previous complete checkpoint as it was.
 
 Read: rank 0 checks the newest candidate against its manifest (sizes and
-checksums); a torn, partial or corrupt one is skipped with a message and the
-previous one is tried. Every rank then loads the chosen one. The model and
+checksums, the ranks hashing a share each); a torn, partial or corrupt one is
+skipped with a message and the previous one is tried (``choose``). Every rank then loads the chosen one
+(``load``), after checking that it holds every parameter of the models it
+fills at their shapes: a resumed worker builds its actor and critic without
+reading the pretrained weights, so the checkpoint must fill them all. The model and
 optimizer are resharded by torch.distributed.checkpoint, so a checkpoint
 written by N workers loads on M; the dataloader state is global (see
 ``distflow.data.loader``). Per-rank RNG state is restored only at the same
@@ -35,8 +39,10 @@ from __future__ import annotations
 import errno
 import shutil
 import hashlib
+import io
 import json
 import os
+import pickle
 import random
 import re
 from pathlib import Path
@@ -60,6 +66,11 @@ _STEP_DIR = re.compile(rf"^{PREFIX}(\d{{8}})(\.tmp)?$")
 
 class CheckpointError(RuntimeError):
     """Writing a checkpoint failed (disk full, storage unreachable); the previous one is intact."""
+
+
+class UnusableCheckpointError(RuntimeError):
+    """The checkpoint chosen for resume lacks a parameter of the models it must fill, or holds
+    it at another shape (made from another model or workflow)."""
 
 
 class _Store:
@@ -105,15 +116,71 @@ def _sha256(fs, path: str) -> str:
     return digest.hexdigest()
 
 
-def _build_manifest(store: _Store, name: str, step: int) -> dict:
-    """Sizes (bytes) and sha256 of every file of ``name``, read back from storage."""
+def _file_sizes(store: _Store, name: str) -> dict[str, int]:
+    """Size (bytes) of every file of ``name`` but its manifest, by path relative to ``name``."""
     base = store.path(name)
-    files = {}
+    sizes = {}
     for path, info in sorted(store.fs.find(base, detail=True).items()):
         rel = path[len(base.rstrip("/")) + 1:]
         if rel != MANIFEST:
-            files[rel] = {"size": int(info["size"]), "sha256": _sha256(store.fs, path)}
-    return {"format": 1, "step": step, "files": files}
+            sizes[rel] = int(info["size"])
+    return sizes
+
+
+def _build_manifest(store: _Store, name: str, step: int, digests: dict[str, str] | None = None) -> dict:
+    """Sizes (bytes) and sha256 of every file of ``name``, read back from storage; ``digests``
+    gives the sha256 of files already read back and hashed (``_hash_together``)."""
+    digests = digests or {}
+    return {"format": 1, "step": step, "files": {
+        rel: {"size": size, "sha256": digests.get(rel) or _sha256(store.fs, store.path(name, rel))}
+        for rel, size in _file_sizes(store, name).items()}}
+
+
+def hash_shares(sizes: dict[str, int], num_ranks: int) -> list[list[str]]:
+    """The files each of ``num_ranks`` ranks reads back and hashes: the largest first, each to the
+    rank with the fewest bytes so far (ties: the lower rank). Pure; every rank computes the same.
+
+    Args:
+        sizes: file name -> size in bytes.
+    """
+    loads, shares = [0] * num_ranks, [[] for _ in range(num_ranks)]
+    for rel in sorted(sizes, key=lambda r: (-sizes[r], r)):
+        rank = min(range(num_ranks), key=lambda r: (loads[r], r))
+        shares[rank].append(rel)
+        loads[rank] += sizes[rel]
+    return shares
+
+
+def _digests_together(store: _Store, name: str, sizes: dict[str, int]) -> tuple[dict[str, str], str | None]:
+    """Collective: (file -> sha256 of the files of ``name`` that ``sizes`` lists, read back from
+    storage, each rank hashing its ``hash_shares`` share; the first rank's read error, or None),
+    the same on every rank."""
+    digests, error, rel = {}, None, ""
+    try:
+        for rel in hash_shares(sizes, dist.get_world_size())[dist.get_rank()]:
+            digests[rel] = _sha256(store.fs, store.path(name, rel))
+    except OSError as err:
+        error = f"{rel}: {err}"
+    parts: list = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, (digests, error))
+    return {rel: sha for part, _ in parts for rel, sha in part.items()}, next((e for _, e in parts if e), None)
+
+
+def _hash_together(store: _Store, name: str, step: int) -> tuple[dict[str, str], str | None]:
+    """Collective: (file -> sha256 of every file of ``name`` now (``_digests_together``); the
+    failure message, or None), the same on every rank."""
+    listing: list = [None, None]
+    if dist.get_rank() == 0:
+        try:
+            listing[0] = _file_sizes(store, name)
+        except OSError as err:
+            listing[1] = _failure_message(store, step, err)
+    dist.broadcast_object_list(listing, src=0)
+    sizes, error = listing
+    if error is not None:
+        return {}, error
+    digests, error = _digests_together(store, name, sizes)
+    return digests, None if error is None else _failure_message(store, step, error)
 
 
 def verify(store: _Store, name: str, checksums: bool = True) -> str | None:
@@ -218,30 +285,37 @@ def save(root: str | os.PathLike, step: int, worker, keep_last: int) -> str:
             if _trains(worker):  # a rollout pool (distflow.pools) holds no trained state
                 dcp.save(_train_state(worker), checkpoint_id=store.location(work),
                          process_group=getattr(worker, "train_group", None))
-            with store.fs.open(store.path(work, f"rank_{rank:05d}.pt"), "wb") as f:
-                torch.save({"rng": _rng_state()}, f)
+            rng = io.BytesIO()
+            torch.save({"rng": _rng_state()}, rng)
+            store.write_bytes(f"{work}/rank_{rank:05d}.pt", rng.getvalue())
         except (Exception, CheckpointException) as err:  # noqa: BLE001 - every rank must reach _agree
             # (torch's CheckpointException, which carries every rank's error, is a BaseException)
             error = _failure_message(store, step, err)
         chaos.hit("checkpoint")
         error = _agree(error)
+    digests: dict[str, str] = {}
+    if error is None:
+        digests, error = _hash_together(store, work, step)
     if error is None and rank == 0:
-        error = _commit(store, work, final, step, worker, keep_last)
+        error = _commit(store, work, final, step, worker, digests)
     error = _agree(error if rank == 0 else None)
     if error is not None:
         if rank == 0:
             _remove_quietly(store, work)
         raise CheckpointError(error)
+    if rank == 0:  # after the agreement: the other ranks need not wait for the deletes
+        _prune(store, keep_last)
     return store.location(final)
 
 
-def _commit(store: _Store, work: str, final: str, step: int, worker, keep_last: int) -> str | None:
-    """Rank 0: trainer.json, the manifest (last), the rename, then pruning. Returns an error message or None."""
+def _commit(store: _Store, work: str, final: str, step: int, worker, digests: dict[str, str]) -> str | None:
+    """Rank 0: trainer.json, the manifest (last; ``digests`` holds the other files' sha256), the
+    rename. Returns an error message or None."""
     try:
         meta = {"step": step, "loader": worker.loader.state_dict(), "world_size": dist.get_world_size(),
                 "kl_ctrl": worker.kl_ctrl.state_dict(), "made_from": worker.made_from}
         store.write_bytes(f"{work}/trainer.json", json.dumps(meta).encode())
-        manifest = _build_manifest(store, work, step)
+        manifest = _build_manifest(store, work, step, digests)
         store.write_bytes(f"{work}/{MANIFEST}", json.dumps(manifest, indent=1).encode())
         chaos.hit("checkpoint")
         if work != final:
@@ -250,7 +324,6 @@ def _commit(store: _Store, work: str, final: str, step: int, worker, keep_last: 
         chaos.hit("checkpoint")
     except OSError as err:
         return _failure_message(store, step, err)
-    _prune(store, keep_last)
     return None
 
 
@@ -297,16 +370,24 @@ def _train_state(worker) -> dict:
     return state
 
 
-def _choose(store: _Store) -> str | None:
-    """Rank 0: the newest checkpoint that passes :func:`verify`, saying which ones were skipped and why."""
-    dirs = store.step_dirs()
-    for name in sorted((n for n in dirs if not n.endswith(".tmp")), reverse=True):
-        reason = verify(store, name)
-        if reason is None:
-            return name
-        print(f"distflow: skipping checkpoint {store.location(name)}: {reason}; trying the previous one",
-              flush=True)
-    return None
+def _checksum_problem(store: _Store, name: str) -> str | None:
+    """Collective, after rank 0's cheap :func:`verify` of ``name`` (broadcast): why its files do not
+    match the manifest's sha256 (the ranks hash a share each), or None; the same on every rank."""
+    head: list = [None, None]
+    if dist.get_rank() == 0:
+        head[0] = verify(store, name, checksums=False)
+        if head[0] is None:
+            with store.fs.open(store.path(name, MANIFEST), "rb") as f:
+                head[1] = json.loads(f.read())["files"]
+    dist.broadcast_object_list(head, src=0)
+    reason, files = head
+    if reason is not None:
+        return reason
+    digests, error = _digests_together(store, name, {rel: want["size"] for rel, want in files.items()})
+    if error is not None:
+        return f"it could not be read back ({error})"
+    return next((f"{rel} does not match its sha256 in the manifest (corrupt)"
+                 for rel, want in files.items() if digests[rel] != want["sha256"]), None)
 
 
 def newest_trainer_state(root: str | os.PathLike) -> tuple[str, dict] | None:
@@ -320,21 +401,56 @@ def newest_trainer_state(root: str | os.PathLike) -> tuple[str, dict] | None:
     return None
 
 
+def choose(root: str | os.PathLike) -> str | None:
+    """Collective: the name (``step_N``) of the newest checkpoint that passes :func:`verify` with
+    checksums, the same on every rank; None when there is none. Rank 0 says which ones it
+    skipped and why; the ranks read back and hash a share of each candidate's bytes."""
+    store = _Store(root)
+    names = [sorted((n for n in store.step_dirs() if not n.endswith(".tmp")), reverse=True)
+             if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(names, src=0)
+    for name in names[0]:
+        reason = _checksum_problem(store, name)
+        if reason is None:
+            return name
+        if dist.get_rank() == 0:
+            print(f"distflow: skipping checkpoint {store.location(name)}: {reason}; trying the previous one",
+                  flush=True)
+    return None
+
+
 def load_latest(root: str | os.PathLike, worker) -> int:
     """Collective: restore the newest verified checkpoint into ``worker``; the step to continue from.
 
-    Returns 0 when there is none.
+    Returns 0 when there is none. Raises as :func:`load`.
     """
-    store = _Store(root)
-    chosen = [_choose(store) if dist.get_rank() == 0 else None]
-    dist.broadcast_object_list(chosen, src=0)
-    name = chosen[0]
+    return load(root, choose(root), worker)
+
+
+def load(root: str | os.PathLike, name: str | None, worker) -> int:
+    """Collective: restore checkpoint ``name`` (from :func:`choose`) into ``worker``; its step.
+
+    Returns 0 when ``name`` is None. The actor's (and critic's) parameters are all written:
+    ``worker`` may have built them uninitialised.
+
+    Raises:
+        UnusableCheckpointError: on every rank, naming the checkpoint, when it lacks a parameter
+            of the actor or critic or holds one at another shape (nothing is loaded).
+    """
     if name is None:
         return 0
+    store = _Store(root)
     with store.fs.open(store.path(name, "trainer.json"), "rb") as f:
         meta = json.loads(f.read())
     if _trains(worker):
         state = _train_state(worker)
+        problems = _unfilled(store, name, state, worker)
+        if problems:
+            more = f" (and {len(problems) - 5} more)" if len(problems) > 5 else ""
+            raise UnusableCheckpointError(
+                f"checkpoint {store.location(name)} cannot resume this run: {'; '.join(problems[:5])}{more}. "
+                "It was made from another model or workflow; resume it under those, or start over: "
+                "distflow run --no-resume (moves the old run aside) or another checkpoint.dir")
         dcp.load(state, checkpoint_id=store.location(name), process_group=getattr(worker, "train_group", None))
         set_state_dict(worker.actor.model, worker.actor.optimizer,
                        model_state_dict=state["model"], optim_state_dict=state["optim"])
@@ -355,3 +471,26 @@ def load_latest(root: str | os.PathLike, worker) -> int:
     if worker.actor is not None:  # a rollout pool's replicas get the weights from the trainer pool's sync
         worker.rollout.sync(worker.actor.model)
     return int(meta["step"])
+
+
+def _unfilled(store: _Store, name: str, state: dict, worker) -> list[str]:
+    """Why loading ``name`` into ``state`` (``_train_state``) would leave a parameter of the actor
+    or critic unwritten: one line per parameter that no loaded entry holds, that the checkpoint
+    lacks, or that it holds at another (global) shape. Empty: the load writes every parameter."""
+    with store.fs.open(store.path(name, ".metadata"), "rb") as f:
+        saved = pickle.load(f).state_dict_metadata  # as torch.distributed.checkpoint's reader does
+    problems = []
+    models = {"model": worker.actor.model, "critic": worker.critic.model if worker.critic is not None else None}
+    for part, model in models.items():
+        if model is None:
+            continue
+        loaded = state[part]
+        problems += [f"{part} parameter {n} is not in the state loaded"
+                     for n, _ in model.named_parameters() if n not in loaded]
+        for key, tensor in loaded.items():
+            entry = saved.get(f"{part}.{key}")
+            if entry is None:
+                problems.append(f"it lacks {part}.{key}")
+            elif tuple(entry.size) != tuple(tensor.shape):
+                problems.append(f"{part}.{key} is {tuple(entry.size)} in it, {tuple(tensor.shape)} in this run")
+    return problems

@@ -157,6 +157,9 @@ class DagWorker:
     """``train`` stopped at a step boundary because the operator asked for another size."""
     left_pool = False
     """This rank left the rollout pool in an in-place shrink (``distflow.pools.elastic``): it exits."""
+    resume_from: str | None = None
+    """The checkpoint (``step_N``) this run resumes from, chosen once before the models are
+    built, the same on every rank; None: the run starts from the pretrained weights."""
 
     def __init__(self, spec: JobSpec, env: WorkerEnv):
         self.spec, self.env = spec, env
@@ -177,6 +180,7 @@ class DagWorker:
         self.rank = env.rank
         self.rollout_dp_rank = self.plan.layouts[ROLLOUT].dp_rank(env.rank)
         self.step = 0
+        self.resume_from = self._choose_resume()
         self._build_models()
         _release_freed_memory()
         self._build_data()
@@ -199,6 +203,18 @@ class DagWorker:
         env = self.env
         process_group.init(self.device, f"tcp://{env.master_addr}:{env.master_port}", env.rank, env.world_size)
 
+    def _resuming(self) -> bool:
+        spec = self.spec
+        return bool(spec.checkpoint.dir) and self.env.resume and spec.checkpoint.resume == "auto"
+
+    def _choose_resume(self) -> str | None:
+        """Collective: the checkpoint ``train`` will load (``checkpoint.choose``), or None. A worker
+        joining a running rollout pool has no world yet and loads none: the running ranks hand it
+        the step and the policy (``distflow.pools.elastic``)."""
+        if self.env.join or not self._resuming():
+            return None
+        return checkpoint.choose(self.spec.checkpoint.dir)
+
     def _build_models(self) -> None:
         spec, env = self.spec, self.env
         _seed_everything(spec.trainer.seed)
@@ -206,9 +222,10 @@ class DagWorker:
         mesh = fsdp.dp_mesh(self.device, env.world_size, spec.cluster.data_parallel_replicate_degree)
         compute = DTYPES[spec.model.compute_dtype]
         # float32 master weights whatever model.dtype says: AdamW steps them (FSDP2 mixed precision).
+        # Resuming, the checkpoint fills them: the pretrained weights are not read (the reference's are).
         self.actor_model = load_sharded_causal_lm(env.model_dir, mesh, self.device, torch.float32, compute,
                                                   spec.model.gradient_checkpointing,
-                                                  spec.actor.reshard_after_forward)
+                                                  spec.actor.reshard_after_forward, fill=self.resume_from is None)
         copy = None
         if not spec.rollout.share_actor_weights and spec.rollout.engine == "hf":
             copy = rollout_copy(env.model_dir, self.actor_model, self.device, compute)
@@ -270,7 +287,8 @@ class DagWorker:
             path = self.spec.critic.path
             model_dir = self.env.model_dir if path is None else str(resolve_model(path, model_cache_dir()))
             self.critic = build_critic(self.spec, model_dir, self.tokenizer.pad_token_id, mesh,
-                                       self.plan.layouts[TRAIN].num_ranks, self.device)
+                                       self.plan.layouts[TRAIN].num_ranks, self.device,
+                                       fill=self.resume_from is None)
 
     def _build_data(self) -> None:
         dp = self.plan.layouts[ROLLOUT].dp_size
@@ -474,8 +492,8 @@ class DagWorker:
         spec = self.spec
         history = []
         chaos.install(self)
-        if spec.checkpoint.dir and self.env.resume and spec.checkpoint.resume == "auto":
-            self.step = checkpoint.load_latest(spec.checkpoint.dir, self)
+        if self._resuming():
+            self.step = checkpoint.load(spec.checkpoint.dir, self.resume_from, self)
             if self.step and self.is_logger:
                 print(f"distflow: resumed from the step-{self.step} checkpoint in {spec.checkpoint.dir} "
                       f"({spec.trainer.total_steps - self.step} steps to go; --no-resume starts over)",

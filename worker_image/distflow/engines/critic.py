@@ -174,15 +174,17 @@ class Critic:
             metrics.add_mean("critic/vf_explained_var", float(ev), 1.0)
 
 
-def build_critic(spec: JobSpec, model_dir: str, pad_token_id: int, mesh, dp_size: int, device) -> Critic:
+def build_critic(spec: JobSpec, model_dir: str, pad_token_id: int, mesh, dp_size: int, device,
+                 fill: bool = True) -> Critic:
     """Load the value model from ``model_dir`` sharded over ``mesh`` (FSDP2: each rank reads only
     its rows, ``loading.load_sharded``) and give it an optimizer.
 
     Its master weights are float32 whatever ``model.dtype`` says; it computes in model.mixedPrecision
-    (none: model.dtype).
+    (none: model.dtype). ``fill`` False: the backbone is allocated, not read, for a checkpoint
+    to fill (a resumed run).
 
     Raises:
-        ValueError: ``model_dir`` has no safetensors weights, or they lack a backbone parameter.
+        ValueError: (``fill``) ``model_dir`` has no safetensors weights, or they lack a backbone parameter.
     """
     model = ValueModel(empty_causal_lm(model_dir, torch.float32, auto_class="AutoModel"))
     if spec.model.gradient_checkpointing:
@@ -191,6 +193,6 @@ def build_critic(spec: JobSpec, model_dir: str, pad_token_id: int, mesh, dp_size
     # The checkpoint of a causal LM holds the backbone under its base_model_prefix (model., transformer.).
     saved_as = (f"{model.model.base_model_prefix}." if model.model.base_model_prefix else "")
     load_sharded(model, model_dir, mesh, device, DTYPES[spec.model.compute_dtype], fresh=head,
-                 prefix=("model.", saved_as))
+                 prefix=("model.", saved_as), fill=fill)
     model.zero_head()
     return Critic.build(spec, model, pad_token_id, dp_size, device)

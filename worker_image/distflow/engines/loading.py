@@ -10,7 +10,9 @@ file pages of those slices), and the device never sees an unsharded copy.
 The actor and the reference load so (``load_sharded_causal_lm``), the critic's
 value model too (``load_sharded`` with its new head ``fresh``); a rollout
 engine's own copy (``rollout_copy``) is filled from the actor's shards, one
-gathered parameter at a time, not from the files.
+gathered parameter at a time, not from the files. A model that a checkpoint
+will fill (a resumed run's actor and critic) is allocated the same way but
+not read (``fill=False``): the checkpoint load writes every parameter.
 
 Deliberately simplified: the checkpoint's tensor names must be the model's
 parameter names (true of models saved by transformers; checkpoints that
@@ -95,7 +97,8 @@ def _fill_shards(model: torch.nn.Module, model_dir: Path, fresh: frozenset[str] 
 
 def load_sharded(model: torch.nn.Module, model_dir: str | os.PathLike, mesh: DeviceMesh, device: torch.device,
                  compute_dtype: torch.dtype | None = None, reshard_after_forward: bool = True,
-                 fresh: frozenset[str] = frozenset(), prefix: tuple[str, str] = ("", "")) -> torch.nn.Module:
+                 fresh: frozenset[str] = frozenset(), prefix: tuple[str, str] = ("", ""),
+                 fill: bool = True) -> torch.nn.Module:
     """``model``, built with its parameters on the meta device, sharded over ``mesh`` (FSDP2)
     with this rank's shards allocated on ``device`` and read from the safetensors in ``model_dir``.
 
@@ -104,14 +107,18 @@ def load_sharded(model: torch.nn.Module, model_dir: str | os.PathLike, mesh: Dev
             uninitialised (``to_empty``) for the caller to set.
         prefix: (the model's, the checkpoint's) name prefix of the same parameters, e.g. a
             backbone kept as ``model.`` but saved under its ``base_model_prefix``.
+        fill: False: allocate the shards but leave every parameter uninitialised (the
+            safetensors files are not opened), for a checkpoint load to write them all
+            (``distflow.checkpoint.load``, which refuses a checkpoint that lacks one).
 
     Raises:
-        ValueError: no safetensors weights, or a parameter (not in ``fresh``) they lack.
+        ValueError: (``fill``) no safetensors weights, or a parameter (not in ``fresh``) they lack.
     """
     buffers = {name: buf.clone() for name, buf in model.named_buffers()}
     apply_fsdp(model, mesh, compute_dtype, reshard_after_forward)
     _allocate(model, device, buffers)  # only the shards
-    _fill_shards(model, Path(model_dir), fresh, prefix)
+    if fill:
+        _fill_shards(model, Path(model_dir), fresh, prefix)
     return model
 
 
@@ -139,7 +146,7 @@ def empty_causal_lm(model_dir: str | os.PathLike, dtype: torch.dtype, auto_class
 def load_sharded_causal_lm(model_dir: str | os.PathLike, mesh: DeviceMesh, device: torch.device,
                            dtype: torch.dtype, compute_dtype: torch.dtype | None = None,
                            gradient_checkpointing: bool = False,
-                           reshard_after_forward: bool = True) -> torch.nn.Module:
+                           reshard_after_forward: bool = True, fill: bool = True) -> torch.nn.Module:
     """The causal LM in ``model_dir`` under FSDP2 over ``mesh``, this rank's shards only.
 
     Args:
@@ -147,17 +154,20 @@ def load_sharded_causal_lm(model_dir: str | os.PathLike, mesh: DeviceMesh, devic
         compute_dtype: the all-gather and compute dtype (``apply_fsdp``).
         gradient_checkpointing: enable it before sharding (for a trained model).
         reshard_after_forward: the decoder layers' FSDP2 setting (``apply_fsdp``).
+        fill: False: the parameters are allocated, not read (``load_sharded``): only the
+            config (and generation config) of ``model_dir`` is read, for a checkpoint to fill.
 
     Returns:
-        The model, its parameters equal bit for bit to ``from_pretrained(model_dir, dtype=dtype)``'s.
+        The model, its parameters equal bit for bit to ``from_pretrained(model_dir, dtype=dtype)``'s
+        (``fill``; else uninitialised).
 
     Raises:
-        ValueError: no safetensors weights, or tensor names that are not the model's parameters.
+        ValueError: (``fill``) no safetensors weights, or tensor names that are not the model's parameters.
     """
     model = empty_causal_lm(model_dir, dtype)
     if gradient_checkpointing:
         model.gradient_checkpointing_enable()
-    load_sharded(model, model_dir, mesh, device, compute_dtype, reshard_after_forward)
+    load_sharded(model, model_dir, mesh, device, compute_dtype, reshard_after_forward, fill=fill)
     model.generation_config = _generation_config(Path(model_dir), model.generation_config)
     return model
 

@@ -128,7 +128,8 @@ class PoolWorker(DagWorker):
         if self.trains:
             self.actor_model = load_sharded_causal_lm(env.model_dir, mesh, self.device, torch.float32, compute,
                                                       spec.model.gradient_checkpointing,
-                                                      spec.actor.reshard_after_forward)
+                                                      spec.actor.reshard_after_forward,
+                                                      fill=self.resume_from is None)
             self.actor = Actor.build(spec, self.actor_model, self.tokenizer.pad_token_id, len(trainers), self.device)
             if any(n.role == "reference" for n in plan.chain):
                 self.ref_model = load_sharded_causal_lm(env.model_dir, mesh, self.device,
@@ -255,8 +256,8 @@ class PoolWorker(DagWorker):
             return self._iterations(start + self.plan.staleness, start, 0, progress)
         spec = self.spec
         total = spec.trainer.total_steps
-        if spec.checkpoint.dir and self.env.resume and spec.checkpoint.resume == "auto":
-            self.step = checkpoint.load_latest(spec.checkpoint.dir, self)
+        if self._resuming():
+            self.step = checkpoint.load(spec.checkpoint.dir, self.resume_from, self)
             if self.step and self.is_logger:
                 print(f"distflow: resumed from the step-{self.step} checkpoint in {spec.checkpoint.dir} "
                       f"({total - self.step} steps to go; --no-resume starts over; the samples in flight "
