@@ -117,3 +117,26 @@ def test_a_trainer_count_change_is_a_whole_gang_resize(control_plane, k8s_namesp
     status = api.wait_phase(name, "Running", attemptNodes=2, desiredNodes=3)
     assert status["resizing"]["to"] == 3 and "inPlace" not in status["resizing"]
     assert api.get("pods", f"{name}-node-2") is None
+
+
+def test_sizes_out_of_bounds_or_not_dividing_the_batch_and_other_async_edits_are_refused(
+        control_plane, k8s_namespace, api, operator):
+    name = "pool-refused"
+    doc = pool_job(name, 2, 1)
+    doc["spec"]["cluster"]["maxNodes"] = 4
+    code, body = api.create_job(doc)
+    assert code == 201, body
+    before = {p["metadata"]["name"]: p["metadata"]["uid"] for p in api.wait_running_gang(name, 1, 2)}
+    # trainBatchSize 4 over 3 rollout nodes; above maxNodes; under one rollout node.
+    for (nodes, rollout), reason in [((4, 3), "data.trainBatchSize"), ((5, 4), "cluster.maxNodes"),
+                                     ((1, 0), "async.rolloutPool.numNodes")]:
+        patch = {"spec": {"cluster": {"numNodes": nodes}, "async": {"rolloutPool": {"numNodes": rollout}}}}
+        code, body = api.patch_job(name, patch)
+        assert code == 422 and reason in body["message"], (nodes, rollout, body)
+    code, body = api.patch_job(name, {"spec": {"async": {"maxStaleness": 3}}})
+    assert code == 422 and "only async.rolloutPool.numNodes may" in body["message"], body
+    code, body = api.patch_job(name, {"spec": {"async": {"rolloutPool": {"nodeSelector": {"a": "b"}}}}})
+    assert code == 422 and "only async.rolloutPool.numNodes may" in body["message"], body
+    job = api.job(name)
+    assert (job["spec"]["cluster"]["numNodes"], job["spec"]["async"]["rolloutPool"]["numNodes"]) == (2, 1)
+    assert _uids(api, name) == before and api.status(name)["phase"] == "Running"
