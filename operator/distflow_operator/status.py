@@ -347,7 +347,8 @@ def compute_status(job: JobView, pods: Sequence[PodView], decision: Decision, no
                     for e in state.pod_errors] or None,
         succeeded_ranks=sorted(state.succeeded_ranks) or None,
         last_failure=_last_failure(state.last_failure),
-        attempt_nodes=state.attempt_nodes, attempt_rollout_nodes=state.attempt_rollout_nodes, resizing=_resize(state.resizing), last_resize=_resize(state.last_resize),
+        attempt_nodes=state.attempt_nodes, attempt_rollout_nodes=state.attempt_rollout_nodes,
+        resizing=_resize(state.resizing), last_resize=_resize(state.last_resize),
         conditions=_conditions(job, phase, reason, message, ready, size, now,
                                _version_skew(job, decision)),
     )
