@@ -66,9 +66,10 @@ CHOICES: dict[tuple[str, ...], tuple[str, ...]] = {
 IMMUTABLE = ("model", "data", "rollout", "algorithm", "actor", "workflow", "cluster", "dataPlane",
              "checkpoint", "trainer", "async")
 """What the pods compute: fixed for the job's life (runPolicy stays editable)."""
-RESIZABLE = {"cluster": "numNodes"}
+RESIZABLE = {"cluster": "numNodes", "async": "rolloutPool.numNodes"}
 """Within an IMMUTABLE section, the field a resize changes (the scale subresource's replicas:
-`kubectl scale`, an autoscaler); the section's other fields stay fixed."""
+`kubectl scale`, an autoscaler; the rollout pool's size, resized in place with cluster.numNodes);
+the section's other fields stay fixed. A dotted path names a field of a nested object."""
 
 MAX_NAME_LENGTH = MAX_JOB_NAME_LENGTH
 
@@ -240,8 +241,23 @@ def _unchanged_rule(section: dict[str, Any], resizable: str | None) -> str:
     too): then it must be absent on both sides."""
     if resizable is None:
         return "self == oldSelf"
-    return " && ".join(f"(has(self.{f}) ? has(oldSelf.{f}) && self.{f} == oldSelf.{f} : !has(oldSelf.{f}))"
-                       for f in section["properties"] if f != resizable)
+    return _unchanged_fields(section, resizable.split("."), "")
+
+
+def _unchanged_fields(section: dict[str, Any], resizable: list[str], prefix: str) -> str:
+    """The fields of ``section`` (at ``prefix``) unchanged, the path ``resizable`` aside."""
+    rules = []
+    for f in section["properties"]:
+        path = f"{prefix}{f}"
+        if f == resizable[0] and len(resizable) == 1:
+            continue
+        if f == resizable[0]:
+            inner = _unchanged_fields(section["properties"][f], resizable[1:], f"{path}.")
+            rules.append(f"(has(self.{path}) ? has(oldSelf.{path}) && {inner} : !has(oldSelf.{path}))")
+        else:
+            rules.append(f"(has(self.{path}) ? has(oldSelf.{path}) && self.{path} == oldSelf.{path} "
+                         f": !has(oldSelf.{path}))")
+    return " && ".join(rules)
 
 
 def spec_schema() -> dict[str, Any]:

@@ -58,6 +58,19 @@ labelled ``distflow.io/attempt=a``. Decisions, in order:
    server's CEL rules normally do first) is held as in 2, with reason
    ResizeRefused: the job keeps running at its size (a request made before
    is withdrawn: the operator could not start workers that stopped for it).
+   In place (async.enable): a spec that changes ``async.rolloutPool.numNodes``
+   and ``cluster.numNodes`` by the same amount (the trainer nodes as the
+   attempt's, ``attemptRolloutNodes`` in the status) while every node pod of
+   the attempt runs resizes the rollout pool in the running attempt
+   (``distflow.pools.elastic``): the request names the rollout nodes and the
+   ConfigMap's spec is rewritten at the new size with it; a grow creates the
+   new ranks' pods with ``DISTFLOW_JOIN=1`` and is done when they all run; a
+   shrink is done when the last ranks' pods, which exit with code 4
+   (``EXIT_LEFT_POOL``) and are deleted then, are gone. Nothing else is
+   touched and nothing is counted; the request stays in the ConfigMap (at the
+   sizes the attempt runs at) until the next attempt. Exit code 4 of a rank
+   no in-place shrink removes is a failure; any failure, during or after, is
+   a gang restart at the spec's size (the in-place resize in flight ends).
 8. Otherwise pods of older attempts are deleted first, then, once they are gone
    and the backoff has passed, missing ranks are created. A pod still
    Terminating ``terminatingTimeoutSeconds`` after its grace period (its node
@@ -83,7 +96,7 @@ from dataclasses import dataclass, replace
 from datetime import datetime
 from typing import Any
 
-from distflow.resize import EXIT_RESIZE
+from distflow.resize import EXIT_LEFT_POOL, EXIT_RESIZE
 
 from distflow_operator.observed import JobView, PodView, parse_time
 from distflow_operator.render import pod_name
@@ -151,7 +164,11 @@ class Resize:
     cost_seconds: float | None = None
     """Seconds from the stop to the new attempt's pods all running, in milliseconds' precision
     (model loading and the first step after come on top); None until resumed. Recorded once, when
-    resumed, and kept: recomputed from the status' whole-second times it would change."""
+    resumed, and kept: recomputed from the status' whole-second times it would change. In place:
+    seconds from the request to the new rollout pods all running (grow) or the leaving pods gone."""
+    in_place: bool = False
+    """Only the rollout pool changed size, in the running attempt (``distflow.pools.elastic``): the
+    trainer pods kept running, nothing stopped (``stopped_at`` stays None)."""
 
 
 @dataclass(frozen=True)
@@ -173,7 +190,10 @@ class RunState:
     last_failure: NodeFailure | None = None
     attempt_nodes: int | None = None
     """Nodes the current attempt's pods were created for; None: not recorded (an older operator's
-    status: then the pods' PET_NNODES, else spec.cluster.numNodes)."""
+    status: then the pods' PET_NNODES, else spec.cluster.numNodes). An in-place resize changes it."""
+    attempt_rollout_nodes: int | None = None
+    """Rollout pool nodes of the current attempt (async.enable); None: no pools, or not recorded
+    (an older operator's status: then a resize is never in place)."""
     resizing: Resize | None = None
     """The resize in flight: requested, not yet running at its new size."""
     last_resize: Resize | None = None
@@ -235,6 +255,11 @@ class Decision:
     """Seconds until a time-based decision is due (backoff, deadline, TTL)."""
     resize_request: int | None = None
     """The node count the ConfigMap key ``resize`` must hold; None: no key (no request)."""
+    resize_rollout_nodes: int | None = None
+    """With ``resize_request``: the rollout pool's size the request names (an in-place resize of the
+    rollout pool; the ConfigMap's spec is rewritten at the new size with it); None: the whole gang's."""
+    joining: bool = False
+    """The pods of ``create_ranks`` join the running attempt's rollout pool (``DISTFLOW_JOIN=1``)."""
 
 
 def run_state(status: Mapping[str, Any], pods: Sequence[PodView]) -> RunState:
@@ -245,6 +270,7 @@ def run_state(status: Mapping[str, Any], pods: Sequence[PodView]) -> RunState:
     failure = status.get("lastFailure")
     return RunState(
         attempt_nodes=status.get("attemptNodes") if same_attempt else None,
+        attempt_rollout_nodes=status.get("attemptRolloutNodes") if same_attempt else None,
         resizing=_parse_resize(status.get("resizing")),
         last_resize=_parse_resize(status.get("lastResize")),
         attempt=attempt,
@@ -266,7 +292,8 @@ def _parse_resize(raw: Mapping[str, Any] | None) -> Resize | None:
     if not raw:
         return None
     return Resize(raw["from"], raw["to"], parse_time(raw["requestedAt"]), parse_time(raw.get("stoppedAt")),
-                  parse_time(raw.get("resumedAt")), raw.get("attempt"), raw.get("costSeconds"))
+                  parse_time(raw.get("resumedAt")), raw.get("attempt"), raw.get("costSeconds"),
+                  bool(raw.get("inPlace")))
 
 
 def restart_backoff(backoff_seconds: float, restarts: int) -> float:
@@ -286,7 +313,7 @@ def _new_attempt(state: RunState, **changes: Any) -> RunState:
     flight ends with it, unless ``changes`` carries it on (the new attempt starts at the spec's size)."""
     changes.setdefault("resizing", None)
     return replace(state, attempt=state.attempt + 1, pod_errors=(), succeeded_ranks=frozenset(),
-                   attempt_nodes=None, **changes)
+                   attempt_nodes=None, attempt_rollout_nodes=None, **changes)
 
 
 def _observe(state: RunState, current: Sequence[PodView], now: datetime) -> RunState:
@@ -459,7 +486,8 @@ def _advance(job: JobView, pods: Sequence[PodView], state: RunState, now: dateti
     missing = tuple(r for r in range(num_nodes) if r not in current | state.succeeded_ranks)
     if wait > 0 or not missing:
         return Decision(state, requeue_after=_min(wait or None, deadline_left))
-    state = replace(state, start_time=state.start_time or now, attempt_nodes=num_nodes)
+    state = replace(state, start_time=state.start_time or now, attempt_nodes=num_nodes,
+                    attempt_rollout_nodes=_rollout_nodes(job))
     limit = job.spec.run_policy.active_deadline_seconds
     return Decision(state, create_ranks=missing, requeue_after=_min(deadline_left, limit))
 
@@ -478,6 +506,8 @@ def _settle(job: JobView, state: RunState, current: Sequence[PodView], now: date
     resize = state.resizing
     if resize is None:
         return state
+    if resize.in_place:
+        return _settle_in_place(state, current, now)
     if resize.attempt is None:
         withdrawn = job.spec.cluster.num_nodes == _attempt_nodes(job, current, state)
         return replace(state, resizing=None) if withdrawn else state
@@ -487,6 +517,104 @@ def _settle(job: JobView, state: RunState, current: Sequence[PodView], now: date
         return state
     cost = round((now - resize.stopped_at).total_seconds(), 3)
     return replace(state, resizing=None, last_resize=replace(resize, resumed_at=now, cost_seconds=cost))
+
+
+def _rollout_nodes(job: JobView) -> int | None:
+    """async.rolloutPool.numNodes of the spec; None without pools."""
+    return job.spec.async_.rollout_pool.num_nodes if job.spec.async_.enable else None
+
+
+def _in_place_now(state: RunState) -> Resize | None:
+    """The in-place resize of the rollout pool in flight in the current attempt, if any."""
+    resize = state.resizing
+    return resize if resize is not None and resize.in_place and resize.attempt == state.attempt else None
+
+
+def _had_in_place(state: RunState) -> bool:
+    """Whether the current attempt's rollout pool was resized in place (in flight or done)."""
+    done = state.last_resize
+    return _in_place_now(state) is not None or (done is not None and done.in_place and done.attempt == state.attempt)
+
+
+def _settle_in_place(state: RunState, current: Sequence[PodView], now: datetime) -> RunState:
+    """An in-place resize is done once every pod of the new size runs (grow) or the leaving pods
+    are gone (shrink); the attempt then runs at the new size."""
+    resize = _in_place_now(state)
+    if resize is None:
+        return state
+    if resize.to_nodes > resize.from_nodes:
+        done = sum(p.phase == "Running" and not p.deleting and p.rank is not None and p.rank < resize.to_nodes
+                   for p in current) >= resize.to_nodes
+    else:
+        done = not any(p.rank is not None and p.rank >= resize.to_nodes for p in current)
+    if not done:
+        return state
+    cost = round((now - resize.requested_at).total_seconds(), 3)
+    rollout = (state.attempt_rollout_nodes or 0) + resize.to_nodes - resize.from_nodes
+    return replace(state, resizing=None, attempt_nodes=resize.to_nodes, attempt_rollout_nodes=rollout,
+                   last_resize=replace(resize, resumed_at=now, cost_seconds=cost))
+
+
+def _left_pool(current: Sequence[PodView], state: RunState) -> list[PodView]:
+    """Pods of the ranks an in-place shrink in flight removes whose node exited with EXIT_LEFT_POOL:
+    they left the rollout pool as asked, which is no failure."""
+    resize = _in_place_now(state)
+    if resize is None or resize.to_nodes >= resize.from_nodes:
+        return []
+    return [p for p in current if p.rank is not None and p.rank >= resize.to_nodes
+            and p.phase == "Failed" and p.exit_code == EXIT_LEFT_POOL]
+
+
+def _departed(job: JobView, state: RunState, lost: Collection[str]) -> set[str]:
+    """Lost pod names of ranks an in-place shrink of this attempt removed (they are gone as asked)."""
+    if not _had_in_place(state):
+        return set()
+    resize = _in_place_now(state)
+    size = max(resize.from_nodes, resize.to_nodes) if resize else state.attempt_nodes or 0
+    kept = {pod_name(job.name, r) for r in range(size)}
+    return {name for name in lost if name not in kept}
+
+
+def _in_place(job: JobView, current: Sequence[PodView], state: RunState, left: Sequence[PodView],
+              now: datetime) -> Decision | None:
+    """The rollout pool resized alone (async.enable; ``distflow.pools.elastic``): request it, create
+    the joining pods (grow), delete the pods that left (shrink); None when that is not the case."""
+    resize = _in_place_now(state)
+    if resize is None:
+        resize = _start_in_place(job, current, state, now)
+        if resize is None:
+            return None
+        state = replace(state, resizing=resize)
+    rollout = (state.attempt_rollout_nodes or 0) + resize.to_nodes - resize.from_nodes
+    request = {"resize_request": resize.to_nodes, "resize_rollout_nodes": rollout}
+    if resize.to_nodes > resize.from_nodes:
+        present = {p.rank for p in current if not p.deleting}
+        missing = tuple(r for r in range(resize.from_nodes, resize.to_nodes) if r not in present)
+        return Decision(state, create_ranks=missing, joining=bool(missing), **request)
+    return Decision(state, delete_pods=tuple(p for p in left if not p.deleting), **request)
+
+
+def _start_in_place(job: JobView, current: Sequence[PodView], state: RunState, now: datetime) -> Resize | None:
+    """A new in-place resize when the spec changes the rollout pool and cluster.numNodes by the same
+    amount while the whole gang runs; None otherwise (then any size change is the whole gang's)."""
+    size, rollout = state.attempt_nodes, state.attempt_rollout_nodes
+    num_nodes, wanted = job.spec.cluster.num_nodes, _rollout_nodes(job)
+    if size is None or rollout is None or wanted is None or num_nodes == size or state.succeeded_ranks:
+        return None
+    if state.resizing is not None or num_nodes - wanted != size - rollout:
+        return None
+    if len(current) != size or any(p.phase != "Running" or p.deleting for p in current):
+        return None
+    return Resize(size, num_nodes, now, attempt=state.attempt, in_place=True)
+
+
+def _keep_request(decision: Decision) -> Decision:
+    """After an in-place resize, the ConfigMap keeps its request (the attempt's sizes: no change for
+    the workers): a rank that reads it late still re-forms with the others."""
+    state = decision.state
+    if decision.resize_request is not None or decision.restart or not _had_in_place(state):
+        return decision
+    return replace(decision, resize_request=state.attempt_nodes, resize_rollout_nodes=state.attempt_rollout_nodes)
 
 
 def _resize_stop(job: JobView, pods: Sequence[PodView], current: Sequence[PodView], state: RunState,
@@ -567,7 +695,9 @@ def decide(job: JobView, pods: Sequence[PodView], now: datetime, lost: Collectio
     state = _settle(job, _observe(state, current, now), current, now)
     if stop := _resize_stop(job, pods, current, state, now):
         return stop
-    failures = _failures(job, current, state, now, lost, disrupted)
+    left = _left_pool(current, state)
+    failures = _failures(job, [p for p in current if p not in left], state, now,
+                         set(lost) - _departed(job, state, lost), disrupted)
     fatal = next((f for f in failures if f[0] == "FailJob"), None)
     if fatal:
         return _finish(job, pods, replace(state, last_failure=fatal[2]), now, fatal[1])
@@ -581,9 +711,9 @@ def decide(job: JobView, pods: Sequence[PodView], now: datetime, lost: Collectio
     if len(state.succeeded_ranks) == job.spec.cluster.num_nodes:
         return _finish(job, pods, state, now, Outcome(
             "Succeeded", "Completed", f"all {len(state.succeeded_ranks)} nodes exited 0 (attempt {state.attempt})"))
-    if resize := _resize(job, pods, current, state, now):
+    if resize := _in_place(job, current, state, left, now) or _resize(job, pods, current, state, now):
         return replace(resize, requeue_after=_min(resize.requeue_after, deadline_left))
-    decision = _advance(job, pods, state, now, deadline_left)
+    decision = _keep_request(_advance(job, pods, state, now, deadline_left))
     if refused is not None:
         decision = _hold_refused(decision, refused, refused_left, rejected, now)
     grace_left = _grace_left(state, job, now)

@@ -89,8 +89,8 @@ class _JobMemory:
     """The API server's refusals of the node pods (4xx) since it last accepted one."""
     posted: dict[tuple[str, str, str], float] = field(default_factory=dict)
     """Events posted recently -> when: the same event is not posted again within EVENT_DEDUP_S."""
-    resize_request: int | None = None
-    """The node count last written to the ConfigMap key ``resize`` (None: none, or removed since)."""
+    resize_request: str | None = None
+    """The request last written to the ConfigMap key ``resize`` (None: none, or removed since)."""
 
     def lost(self, attempt: int, pods: Iterable[PodView]) -> dict[str, str]:
         """uid -> name of the pods of ``attempt`` seen before and gone now."""
@@ -289,11 +289,14 @@ class Reconciler:
         Raises:
             KubeApiError, ChildConflict: anything else; the pass is retried with backoff.
         """
+        request = (resize_request_value(decision.resize_request, decision.resize_rollout_nodes)
+                   if decision.resize_request is not None else None)
+        in_place = request if decision.resize_rollout_nodes is not None else None
         try:
-            await self._apply(job, decision)
+            await self._apply(job, decision, in_place)
             if decision.create_ranks:
-                memory.resize_request = None  # the ConfigMap was written as rendered: without a request
-            await self._request_resize(job, memory, decision.resize_request)
+                memory.resize_request = in_place  # the ConfigMap was written as rendered: with an in-place request only
+            await self._request_resize(job, memory, request, in_place is not None)
         except KubeApiError as err:
             if decision.create_ranks and err.status in REFUSED_CREATE_ERRORS:
                 last, message = memory.rejected, _refusal_message(job, err)
@@ -311,13 +314,18 @@ class Reconciler:
             memory.rejected = None
         return True
 
-    async def _request_resize(self, job: JobView, memory: _JobMemory, num_nodes: int | None) -> None:
-        """Write (or withdraw) the ConfigMap's resize request when it differs from what was written."""
-        if num_nodes == memory.resize_request:
+    async def _request_resize(self, job: JobView, memory: _JobMemory, value: str | None, in_place: bool) -> None:
+        """Write (or withdraw) the ConfigMap's resize request when it differs from what was written; an
+        in-place request of the rollout pool goes with the spec at the new size, in one update."""
+        if value == memory.resize_request:
             return
-        value = resize_request_value(num_nodes) if num_nodes is not None else None
-        await self.call(self._api.set_config_map_key, job.namespace, config_map_name(job.name), RESIZE_KEY, value)
-        memory.resize_request = num_nodes
+        if in_place:
+            owner = JobRef(job.name, job.namespace, job.uid, job.kueue_queue)
+            await self.call(self._api.ensure, build_config_map(job.spec, owner, value), owner)
+        else:
+            await self.call(self._api.set_config_map_key, job.namespace, config_map_name(job.name), RESIZE_KEY,
+                            value)
+        memory.resize_request = value
 
     def _observe_transition(self, old: Mapping[str, Any], new: Mapping[str, Any], now: datetime) -> None:
         added = (new.get("restarts") or 0) - (old.get("restarts") or 0)
@@ -344,7 +352,7 @@ class Reconciler:
             except Exception as err:  # events are best effort; never fail a reconcile for one
                 logger.warning("event %s on %s/%s not recorded: %s", reason, job.namespace, job.name, err)
 
-    async def _apply(self, job: JobView, decision: Decision) -> None:
+    async def _apply(self, job: JobView, decision: Decision, in_place: str | None = None) -> None:
         if decision.delete_pods:
             gone = await asyncio.gather(*(self.call(self._api.delete_pod, job.namespace, p.name, p.uid)
                                           for p in decision.delete_pods))
@@ -357,22 +365,25 @@ class Reconciler:
                            job.namespace, job.name, pod.name)
             await self.call(self._api.force_delete_pod, job.namespace, pod.name, pod.uid)
         if decision.create_ranks:
-            await self._create_pods(job, decision)
+            await self._create_pods(job, decision, in_place)
         if decision.delete_job:
             await self.call(self._api.delete_job, job.namespace, job.name, job.uid)
 
-    async def _create_pods(self, job: JobView, decision: Decision) -> None:
+    async def _create_pods(self, job: JobView, decision: Decision, in_place: str | None = None) -> None:
+        """Ensure the ConfigMap (with ``in_place``'s request, rendered by resize_request_value),
+        Service and PodGroups, then create the decision's node pods."""
         owner = JobRef(job.name, job.namespace, job.uid, job.kueue_queue)
         spec, attempt = job.spec, decision.state.attempt
-        children = [build_config_map(spec, owner), build_headless_service(spec, owner),
+        children = [build_config_map(spec, owner, in_place), build_headless_service(spec, owner),
                     *build_pod_groups(spec, owner)]
         for child in children:
             await self.call(self._api.ensure, child, owner)
-        pods = [build_node_pod(spec, owner, rank, attempt) for rank in decision.create_ranks]
+        pods = [build_node_pod(spec, owner, rank, attempt, decision.joining) for rank in decision.create_ranks]
         created = await asyncio.gather(*(self.call(self._api.create, pod) for pod in pods))
         if any(created):
+            joining = " joining the rollout pool" if decision.joining else ""
             await self._post_events(job, [("Normal", "CreatedNodePods",
-                                           f"created {sum(created)} node pods for attempt {attempt}")])
+                                           f"created {sum(created)} node pods{joining} for attempt {attempt}")])
 
     # -- background loops ------------------------------------------------------------------
 

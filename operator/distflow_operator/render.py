@@ -38,6 +38,7 @@ import json
 import yaml
 
 from distflow.errors import DistflowConfigError
+from distflow.resize import JOIN_ENV, RESIZE_KEY
 from distflow.spec import API_GROUP, API_VERSION, KIND, JobSpec, render_spec_document
 
 from distflow_operator import MANAGER
@@ -179,19 +180,25 @@ def _metadata(name: str, owner: JobRef, labels: dict[str, str]) -> dict[str, Any
             "ownerReferences": [owner.owner_reference()]}
 
 
-def build_config_map(spec: JobSpec, owner: JobRef) -> dict[str, Any]:
+def build_config_map(spec: JobSpec, owner: JobRef, resize_request: str | None = None) -> dict[str, Any]:
     """ConfigMap ``<job>-config`` holding the spec as ``spec.yaml``: only what differs from the defaults,
-    so that a worker image of the previous release reads it (the version-skew contract)."""
+    so that a worker image of the previous release reads it (the version-skew contract). With
+    ``resize_request`` (:func:`resize_request_value`), the key ``resize`` holds it too: an in-place
+    resize of the rollout pool writes the spec at the new size and the request in one update."""
     text = yaml.safe_dump(render_spec_document(spec), sort_keys=False)
+    data = {SPEC_FILE: text} | ({RESIZE_KEY: resize_request} if resize_request is not None else {})
     return {"apiVersion": "v1", "kind": "ConfigMap",
             "metadata": _metadata(config_map_name(owner.name), owner, job_labels(owner.name, "config")),
-            "data": {SPEC_FILE: text}}
+            "data": data}
 
 
-def resize_request_value(num_nodes: int) -> str:
-    """The ConfigMap key ``resize``'s value asking the workers to stop for ``num_nodes`` nodes
-    (``distflow.resize`` reads it at every step boundary)."""
-    return json.dumps({"numNodes": num_nodes})
+def resize_request_value(num_nodes: int, rollout_nodes: int | None = None) -> str:
+    """The ConfigMap key ``resize``'s value asking the workers to stop for ``num_nodes`` nodes, or,
+    with ``rollout_nodes``, to resize the rollout pool in place to it (``distflow.resize`` reads it
+    at every step boundary)."""
+    if rollout_nodes is None:
+        return json.dumps({"numNodes": num_nodes})
+    return json.dumps({"numNodes": num_nodes, "rolloutNodes": rollout_nodes})
 
 
 def build_headless_service(spec: JobSpec, owner: JobRef) -> dict[str, Any]:
@@ -332,7 +339,8 @@ def _resources(spec: JobSpec, pool: NodePool) -> dict[str, Any]:
     return resources
 
 
-def _container(spec: JobSpec, owner: JobRef, rank: int, attempt: int, pool: NodePool) -> dict[str, Any]:
+def _container(spec: JobSpec, owner: JobRef, rank: int, attempt: int, pool: NodePool,
+               joining: bool = False) -> dict[str, Any]:
     tpl = spec.template
     port = metrics_port(spec)
     _, security = podspec.security_contexts(tpl.security_context)
@@ -342,7 +350,8 @@ def _container(spec: JobSpec, owner: JobRef, rank: int, attempt: int, pool: Node
         "image": tpl.image,
         "imagePullPolicy": tpl.image_pull_policy,
         "command": ["distflow", "node", "--config", CONFIG_PATH],
-        "env": _node_env(spec, owner, rank, attempt) + copy.deepcopy(tpl.env),
+        "env": _node_env(spec, owner, rank, attempt) + ([{"name": JOIN_ENV, "value": "1"}] if joining else [])
+               + copy.deepcopy(tpl.env),
         "ports": [{"name": "metrics", "containerPort": port, "protocol": "TCP"},
                   {"name": "rendezvous", "containerPort": MASTER_PORT, "protocol": "TCP"}],
         "resources": _resources(spec, pool),
@@ -395,8 +404,10 @@ def _pod_metadata(spec: JobSpec, owner: JobRef, rank: int, attempt: int, pool: N
     return metadata
 
 
-def build_node_pod(spec: JobSpec, owner: JobRef, rank: int, attempt: int) -> dict[str, Any]:
+def build_node_pod(spec: JobSpec, owner: JobRef, rank: int, attempt: int, joining: bool = False) -> dict[str, Any]:
     """Pod ``<job>-node-<rank>`` of gang attempt ``attempt`` (1-based), in the pool of its rank.
+    ``joining``: the node joins the running attempt's rollout pool (``DISTFLOW_JOIN=1``; an
+    in-place grow, ``distflow.pools.elastic``).
 
     Raises:
         DistflowConfigError: spec.template sets an operator env name, a reserved
@@ -421,7 +432,7 @@ def build_node_pod(spec: JobSpec, owner: JobRef, rank: int, attempt: int) -> dic
         # Hundreds of service env vars per pod help nobody and slow startup.
         "enableServiceLinks": False,
         "securityContext": pod_security,
-        "containers": [_container(spec, owner, rank, attempt, pool)],
+        "containers": [_container(spec, owner, rank, attempt, pool, joining)],
         "volumes": [{"name": SPEC_VOLUME, "configMap": {"name": config_map_name(owner.name)}},
                     podspec.shm_volume(SHM_VOLUME, tpl.shm_size)]
                    + pvc_volumes + copy.deepcopy(tpl.volumes),

@@ -117,7 +117,10 @@ class ResizeStatus(_Status):
     """The attempt that runs at the new size, once started."""
     cost_seconds: float | None = None
     """Seconds from stoppedAt to resumedAt: the gang's downtime as the operator sees it (model
-    loading and the first step after come on top)."""
+    loading and the first step after come on top). In place: from requestedAt to resumedAt."""
+    in_place: bool | None = None
+    """True: only the rollout pool changed size (async.enable), in the running attempt; the trainer
+    pods kept training and nothing stopped."""
 
 
 class PoolStatus(_Status):
@@ -174,6 +177,8 @@ class JobStatus(_Status):
     """What ended the last failed attempt: kept after the restart deletes the pod and its logs."""
     attempt_nodes: int | None = None
     """Nodes the current attempt's pods were created for (differs from desiredNodes during a resize)."""
+    attempt_rollout_nodes: int | None = None
+    """Rollout pool nodes of the current attempt (async.enable); an in-place resize changes it."""
     resizing: ResizeStatus | None = None
     """The resize in flight (kubectl scale): requested, not yet running at its new size."""
     last_resize: ResizeStatus | None = None
@@ -278,7 +283,8 @@ def _resize(resize: Resize | None) -> ResizeStatus | None:
     return ResizeStatus(from_=resize.from_nodes, to=resize.to_nodes, requested_at=format_time(resize.requested_at),
                         stopped_at=format_time(resize.stopped_at) if resize.stopped_at else None,
                         resumed_at=format_time(resize.resumed_at) if resize.resumed_at else None,
-                        attempt=resize.attempt, cost_seconds=resize.cost_seconds)
+                        attempt=resize.attempt, cost_seconds=resize.cost_seconds,
+                        in_place=True if resize.in_place else None)
 
 
 def _pools(job: JobView, current: Sequence[PodView]) -> list[PoolStatus] | None:
@@ -321,6 +327,10 @@ def compute_status(job: JobView, pods: Sequence[PodView], decision: Decision, no
     ready = sum(p.ready for p in current)
     # While a resize is asked for, the gang runs at its attempt's size, not yet at the spec's.
     size = state.attempt_nodes if state.attempt_nodes is not None else desired
+    if state.resizing is not None and state.resizing.in_place and state.resizing.attempt == state.attempt:
+        # The pods that keep running: a shrink's leaving pods and a grow's joiners are not counted yet.
+        size = min(state.resizing.from_nodes, state.resizing.to_nodes)
+        running = min(running, size)
     phase = _phase(job, decision, size, running, scheduled)
     reason, message = _explain(job, decision, phase, (size, running, scheduled))
     status = JobStatus(
@@ -337,7 +347,8 @@ def compute_status(job: JobView, pods: Sequence[PodView], decision: Decision, no
                     for e in state.pod_errors] or None,
         succeeded_ranks=sorted(state.succeeded_ranks) or None,
         last_failure=_last_failure(state.last_failure),
-        attempt_nodes=state.attempt_nodes, resizing=_resize(state.resizing), last_resize=_resize(state.last_resize),
+        attempt_nodes=state.attempt_nodes, attempt_rollout_nodes=state.attempt_rollout_nodes,
+        resizing=_resize(state.resizing), last_resize=_resize(state.last_resize),
         conditions=_conditions(job, phase, reason, message, ready, size, now,
                                _version_skew(job, decision)),
     )
@@ -380,11 +391,17 @@ def _resize_events(old: Mapping[str, Any], new: Mapping[str, Any]) -> list[tuple
     events = []
     asked, before = new.get("resizing") or {}, old.get("resizing") or {}
     if asked and (asked.get("to"), asked.get("requestedAt")) != (before.get("to"), before.get("requestedAt")):
-        then = ("the gang had not started: its pods are replaced at the new size" if asked.get("stoppedAt") else
+        then = ("the rollout pool resizes in place at the next step boundary; the trainer pods keep training"
+                if asked.get("inPlace") else
+                "the gang had not started: its pods are replaced at the new size" if asked.get("stoppedAt") else
                 "the workers stop at their next step boundary (checkpoint saved) and the gang restarts at the new size")
         events.append(("Normal", "ResizeRequested", f"cluster.numNodes {asked['from']} -> {asked['to']}: {then}"))
     done = new.get("lastResize")
-    if done and done != old.get("lastResize"):
+    if done and done != old.get("lastResize") and done.get("inPlace"):
+        events.append(("Normal", "Resized", (
+            f"rollout pool resized in place from {done['from']} to {done['to']} nodes (attempt "
+            f"{done.get('attempt')}, no restart): {done.get('costSeconds', 0):g}s from the request")))
+    elif done and done != old.get("lastResize"):
         events.append(("Normal", "Resized", (
             f"resized from {done['from']} to {done['to']} nodes (attempt {done.get('attempt')}): "
             f"{done.get('costSeconds', 0):g}s from the stop to every node running")))
