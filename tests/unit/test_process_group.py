@@ -89,3 +89,40 @@ def test_the_scan_sees_the_runtime_collectives():
     """The scan is not vacuous: it finds the collectives of the data plane and the worker."""
     found = {name for path in RUNTIME.rglob("*.py") for name, _ in _distributed_calls(path)}
     assert {"all_gather", "all_to_all_single", "all_reduce", "barrier"} <= found
+
+
+def test_joiners_that_waited_long_for_the_store_connect_within_a_second_of_it_coming_up():
+    """A joining rollout worker loads before the running pool's store is served (it waits at
+    ``join_store``); torch's client alone backs off exponentially with jitter and connected
+    0.2-5.8 s after a store that came up 12 s late, while the pool trains steps of 0.2 s (the grow
+    never happened before the tiny job ended, CI of 3d7c579). Three joiners, so that torch's
+    jitter alone rarely passes: each must connect within 1.5 s."""
+    import threading
+    import time
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from distflow.process_group import join_store
+    from tests.dist._spawn import free_port
+
+    port, connected = free_port(), {}
+
+    def joiner(n):
+        store = join_store("127.0.0.1", port, timeout_s=120.0, attempt_s=0.5)
+        value = store.get("distflow/generation")  # waits for the key, as join() does
+        connected[n] = (time.monotonic(), value)
+
+    threads = [threading.Thread(target=joiner, args=(n,), daemon=True) for n in range(3)]
+    for thread in threads:
+        thread.start()
+    time.sleep(12.0)
+    server = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False,
+                           timeout=timedelta(seconds=30))
+    up = time.monotonic()
+    server.set("distflow/generation", "0")
+    for thread in threads:
+        thread.join(30.0)
+    assert sorted(connected) == [0, 1, 2] and {value for _, value in connected.values()} == {b"0"}
+    delays = sorted(at - up for at, _ in connected.values())
+    assert delays[-1] < 1.5, f"connected {delays} s after the store came up"

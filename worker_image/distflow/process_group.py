@@ -15,6 +15,7 @@ package for others), so no group exists that a CPU tensor cannot travel on.
 from __future__ import annotations
 
 import functools
+import time
 from datetime import timedelta
 
 import torch
@@ -75,14 +76,30 @@ def world_store():
     return store
 
 
-def join_store(master_addr: str, master_port: int, timeout_s: float = 300.0):
+def join_store(master_addr: str, master_port: int, timeout_s: float = 300.0, attempt_s: float = 1.0):
     """A client of the job's store (``world_store``) for a process that is not in the world yet
     (a rollout worker joining the pool, ``distflow.pools.elastic``).
+
+    It tries to connect for ``attempt_s`` seconds at a time, again and again, rather than once for
+    ``timeout_s``: within one attempt torch's client backs off exponentially, so a joiner that
+    loaded long before the store came up would connect seconds after it did (measured: 4.6 s
+    after waiting 25 s), while the running ranks train steps of a fraction of a second. Each new
+    attempt starts its back-off from the beginning, so it connects within about ``attempt_s``.
 
     Raises:
         RuntimeError (torch's DistStoreError): no store answered within ``timeout_s`` seconds.
     """
-    return dist.TCPStore(master_addr, master_port, is_master=False, timeout=timedelta(seconds=timeout_s))
+    deadline = time.monotonic() + timeout_s
+    while True:
+        attempt = min(attempt_s, max(deadline - time.monotonic(), 0.1))
+        try:
+            store = dist.TCPStore(master_addr, master_port, is_master=False, timeout=timedelta(seconds=attempt))
+        except dist.DistError:
+            if time.monotonic() >= deadline:
+                raise
+            continue
+        store.set_timeout(timedelta(seconds=timeout_s))  # the longest a get() then waits for its key
+        return store
 
 
 def reform(device: torch.device, store, generation: int, rank: int, world_size: int) -> None:
