@@ -61,7 +61,8 @@ def test_sync_mode_keeps_every_rank_in_both_layouts():
 def test_sizes_are_checked_per_pool():
     # 2 prompts over the rollout pool's 2 ranks (sync mode would need a multiple of 6 workers)
     assert _spec(batch=2).data.train_batch_size == 2
-    with pytest.raises(ValueError, match=r"data.trainBatchSize: 3 prompts cannot be split evenly over 2 rollout"):
+    with pytest.raises(ValueError, match=r"data.trainBatchSize: 3 prompts cannot be split evenly over 2 rollout "
+                       r"dp ranks \(the rollout pool's workers: async.rolloutPool.numNodes x cluster.procsPerNode\)"):
         _spec(batch=3)
     # HSDP degrees tile the trainer pool's 4 ranks, not the job's 6
     assert _spec(cluster={"dataParallelReplicateDegree": 2}).cluster.data_parallel_replicate_degree == 2

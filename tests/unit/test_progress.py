@@ -35,9 +35,27 @@ def test_printer_of_a_resumed_run_starts_at_the_checkpoint_step():
     assert not printer.bar.live.is_started
 
 
-def _stand_in_worker(tmp_path, total_steps: int) -> DagWorker:
+def test_the_start_shows_the_held_out_score_before_training():
+    """What the policy scored before any step (the quickstart: 0.044, then 0.259 after 30 steps)."""
+    from distflow.progress import progress_printer
+
+    log = io.StringIO()
+    printer = progress_printer(30, log)
+    printer(0, {"eval/score": 0.04375, "eval/response_length": 41.0})
+    printer(1, {"critic/score/mean": 0.5, "perf/throughput": 812.44, "timing_s/step": 2.251})
+    assert log.getvalue().splitlines() == [
+        "step:0/30 - training starts - eval/score:0.044",
+        "step:1/30 - critic/score/mean:0.500 - perf/throughput:812.4 - timing_s/step:2.25",
+    ]
+    bar = ProgressPrinter(30, console=Console(file=io.StringIO(), color_system=None))
+    bar(0, {"eval/score": 0.04375})
+    assert "0/30" in _rendered(bar) and "eval 0.044" in _rendered(bar) and "reward" not in _rendered(bar)
+    bar.close()
+
+
+def _stand_in_worker(tmp_path, total_steps: int, data: dict | None = None) -> DagWorker:
     """A DagWorker without models or a process group: train() with run_step() stubbed."""
-    spec = parse_spec({"model": {"path": "tiny"}, "data": {"train": {"path": "arithmetic"}},
+    spec = parse_spec({"model": {"path": "tiny"}, "data": {"train": {"path": "arithmetic"}, **(data or {})},
                        "trainer": {"totalSteps": total_steps, "logDir": str(tmp_path / "run")},
                        "checkpoint": {"dir": str(tmp_path / "run" / "checkpoints")}})
     worker = DagWorker.__new__(DagWorker)
@@ -50,6 +68,20 @@ def _stand_in_worker(tmp_path, total_steps: int) -> DagWorker:
     worker.device_guard = contextlib.nullcontext()
     worker._log_trained_ids = lambda: None
     return worker
+
+
+def test_train_reports_the_held_out_score_before_training_with_the_start_step(tmp_path, monkeypatch):
+    monkeypatch.setattr(worker_module.checkpoint, "load", lambda root, name, worker: 0)
+    monkeypatch.setattr(worker_module.checkpoint, "save", lambda *args: None)
+    worker = _stand_in_worker(tmp_path, total_steps=2, data={"eval": {"path": "arithmetic:eval", "size": 8}})
+    scores = iter([0.125, 0.5])
+    worker._eval_metrics = lambda: {"eval/score": next(scores)}
+    logged, calls = [], []
+    worker._log = logged.append
+    worker.train(lambda step, metrics: calls.append((step, metrics)))
+    assert calls == [(0, {"eval/score": 0.125}), (1, {"training/step": 1}),
+                     (2, {"training/step": 2, "eval/score": 0.5})]
+    assert logged[0] == {"training/step": 0, "eval/score": 0.125}
 
 
 @pytest.mark.parametrize("checkpoint_step", [0, 12])

@@ -1,8 +1,9 @@
 """Rank 0's report of training progress: a bar on a terminal, one line per step elsewhere.
 
 Both printers are called as ``printer(step, metrics)``: once with the step
-training starts from (a resumed run's checkpoint step, else 0) and no
-metrics, then after every step with that step's metrics (reduced over all
+training starts from (a resumed run's checkpoint step, else 0) and the
+held-out score of the policy before training if there is one (``{}``
+otherwise), then after every step with that step's metrics (reduced over all
 ranks). Where stdout is not a terminal (``distflow run > run.log``, nohup,
 CI, a pod's log) a bar renders nothing until the run ends, so lines are
 printed instead, in verl's console format (``step:3 - critic/score/mean:0.500 - ...``).
@@ -16,6 +17,8 @@ from typing import TextIO
 HEADLINE_METRICS = (("critic/score/mean", "{:.3f}"), ("perf/throughput", "{:.1f}"),
                     ("timing_s/step", "{:.2f}"), ("eval/score", "{:.3f}"))
 """What each step's line shows, in order: mean reward, tokens/s, step time (seconds), held-out score."""
+STEP_TIME = "timing_s/step"
+"""In every trained step's metrics; the start call's (at most a held-out score) lack it."""
 
 
 def progress_printer(total_steps: int, stream: TextIO | None = None):
@@ -39,11 +42,9 @@ class StepLinePrinter:
         self.stream = stream
 
     def __call__(self, step: int, metrics: dict[str, float]) -> None:
-        if metrics:
-            line = " - ".join([f"step:{step}/{self.total_steps}"] + [
-                f"{name}:{fmt.format(metrics[name])}" for name, fmt in HEADLINE_METRICS if name in metrics])
-        else:
-            line = f"step:{step}/{self.total_steps} - training starts"
+        head = [f"step:{step}/{self.total_steps}"] + ([] if STEP_TIME in metrics else ["training starts"])
+        line = " - ".join(head + [f"{name}:{fmt.format(metrics[name])}"
+                                  for name, fmt in HEADLINE_METRICS if name in metrics])
         print(line, file=self.stream if self.stream is not None else sys.stdout, flush=True)
 
     def close(self) -> None:
@@ -66,11 +67,12 @@ class ProgressPrinter:
         self.task = None
 
     def __call__(self, step: int, metrics: dict[str, float]) -> None:
-        info = _progress_info(metrics) if metrics else ""
-        if self.task is None:
+        if self.task is None:  # the start call: at most the held-out score before training
+            info = f"eval {metrics['eval/score']:.3f}" if "eval/score" in metrics else ""
             self.task = self.bar.add_task("train", total=self.total_steps, completed=step, info=info)
             self.bar.start()
         else:
+            info = _progress_info(metrics) if metrics else ""
             self.bar.update(self.task, completed=step, info=info)
         if step >= self.total_steps:
             self.bar.stop()

@@ -185,8 +185,7 @@ class DagWorker:
         _release_freed_memory()
         self._build_data()
         self.metrics = StepMetrics()
-        self.counters = TransferCounters(
-            node_of_rank=[self.plan.node_of_rank(r) for r in range(env.world_size)])
+        self.counters = TransferCounters.for_plan(self.plan, env.world_size)
         node_buffer = None
         if spec.data_plane.node_buffer and spec.cluster.procs_per_node > 1:
             node_buffer = NodeBuffer(f"{env.job_name}-{env.master_port}", env.node_rank)
@@ -202,6 +201,24 @@ class DagWorker:
     def _init_world(self) -> None:
         env = self.env
         process_group.init(self.device, f"tcp://{env.master_addr}:{env.master_port}", env.rank, env.world_size)
+
+    def _resume(self, in_flight: str = "") -> None:
+        """Load the checkpoint ``_choose_resume`` chose, if any (``self.step``: its step, else 0), and
+        drop what a killed run logged past it (metrics lines, trained sample ids: all, if none).
+        ``in_flight``: what the log line adds about the samples in flight when it was written."""
+        spec = self.spec
+        if not self._resuming():
+            return
+        self.step = checkpoint.load(spec.checkpoint.dir, self.resume_from, self)
+        if self.step and self.is_logger:
+            print(f"distflow: resumed from the step-{self.step} checkpoint in {spec.checkpoint.dir} "
+                  f"({spec.trainer.total_steps - self.step} steps to go; --no-resume starts over{in_flight})",
+                  flush=True)
+        if self.writer is not None:
+            self.writer.drop_after(self.step)
+            sample_ids.drop_after(spec.trainer.log_dir, self.step)
+        if self.step and self.exporter is not None:
+            self.exporter.observe_checkpoint(self.step)
 
     def _resuming(self) -> bool:
         spec = self.spec
@@ -486,27 +503,20 @@ class DagWorker:
         """Run the remaining steps; the per-step metrics of this run.
 
         ``progress(step, metrics)``, if given, is called once with the step
-        training starts from (the resumed checkpoint's, else 0) and ``{}``,
-        then after every step with that step's metrics.
+        training starts from (the resumed checkpoint's, else 0) and the held-out
+        metrics of the policy before training (``{}`` without ``data.eval`` or on a
+        resume), then after every step with that step's metrics.
         """
         spec = self.spec
         history = []
         chaos.install(self)
-        if self._resuming():
-            self.step = checkpoint.load(spec.checkpoint.dir, self.resume_from, self)
-            if self.step and self.is_logger:
-                print(f"distflow: resumed from the step-{self.step} checkpoint in {spec.checkpoint.dir} "
-                      f"({spec.trainer.total_steps - self.step} steps to go; --no-resume starts over)",
-                      flush=True)
-            if self.writer is not None:  # steps a killed run logged past its checkpoint (all, if none)
-                self.writer.drop_after(self.step)
-                sample_ids.drop_after(spec.trainer.log_dir, self.step)
-            if self.step and self.exporter is not None:
-                self.exporter.observe_checkpoint(self.step)
+        self._resume()
+        start_metrics = {}
         if self.step == 0 and spec.data.eval is not None:
-            self._log({"training/step": 0, **self._eval_metrics()})
+            start_metrics = self._eval_metrics()
+            self._log({"training/step": 0, **start_metrics})
         if progress:
-            progress(self.step, {})
+            progress(self.step, start_metrics)
         fail_at = int(os.environ.get("DISTFLOW_INJECT_FAILURE_AT_STEP", "0"))
         while self.step < spec.trainer.total_steps:
             if fail_at and self.step + 1 == fail_at:

@@ -45,6 +45,12 @@ class TransferCounters:
     node_pair_bytes: dict[tuple[int, int], int] = field(default_factory=lambda: defaultdict(int))
     """(src node, dst node) -> cross-node bytes sent."""
 
+    @classmethod
+    def for_plan(cls, plan, world_size: int) -> "TransferCounters":
+        """Fresh counters for a rank of a world of ``world_size`` ranks laid out by ``plan``
+        (``distflow.planner.Plan``: its ``node_of_rank``)."""
+        return cls(node_of_rank=[plan.node_of_rank(r) for r in range(world_size)])
+
     def node_of(self, rank: int) -> int:
         return rank if self.node_of_rank is None else self.node_of_rank[rank]
 

@@ -275,7 +275,7 @@ def regroup(worker, spec: JobSpec) -> None:
         worker.mesh = old_mesh  # the models' mesh, served by the new world's groups
     worker.rollout_dp_rank = 0 if worker.trains else worker.rollout_layout.dp_rank(worker.rank)
     worker.loader.reshard(worker.rollout_dp_rank, worker.rollout_layout.dp_size)
-    worker.counters = TransferCounters(node_of_rank=[worker.plan.node_of_rank(r) for r in range(spec.world_size)])
+    worker.counters = TransferCounters.for_plan(worker.plan, spec.world_size)
     # The step buffer (the steps in flight) is kept; the metadata padding and the last plan's
     # digest start over on every rank alike.
     worker.coordinator = replace(worker.coordinator, spec=spec, plan=worker.plan, counters=worker.counters,

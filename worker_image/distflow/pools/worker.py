@@ -39,7 +39,7 @@ from dataclasses import replace
 import torch
 import torch.distributed as dist
 
-from distflow import chaos, checkpoint, process_group, sample_ids
+from distflow import chaos, process_group, sample_ids
 from distflow.data.batch import PackedBatch
 from distflow.engines import flex_masks, fsdp
 from distflow.engines.actor import Actor
@@ -255,25 +255,16 @@ class PoolWorker(DagWorker):
             start = self.elastic.join(self)  # the steps trained so far; the next iteration is start + s
             return self._iterations(start + self.plan.staleness, start, 0, progress)
         spec = self.spec
-        total = spec.trainer.total_steps
-        if self._resuming():
-            self.step = checkpoint.load(spec.checkpoint.dir, self.resume_from, self)
-            if self.step and self.is_logger:
-                print(f"distflow: resumed from the step-{self.step} checkpoint in {spec.checkpoint.dir} "
-                      f"({total - self.step} steps to go; --no-resume starts over; the samples in flight "
-                      "when it was written are generated again)", flush=True)
-            if self.writer is not None:
-                self.writer.drop_after(self.step)
-                sample_ids.drop_after(spec.trainer.log_dir, self.step)
-            if self.step and self.exporter is not None:
-                self.exporter.observe_checkpoint(self.step)
+        self._resume("; the samples in flight when it was written are generated again")
         start = self.step  # every rank's loader continues at the checkpoint's step (its state)
         self.version = start
         self._sync_weights()
+        start_metrics = {}
         if self.trains and start == 0 and spec.data.eval is not None:
-            self._log({"training/step": 0, **self._eval_metrics()})
+            start_metrics = self._eval_metrics()
+            self._log({"training/step": 0, **start_metrics})
         if progress:
-            progress(self.step, {})
+            progress(self.step, start_metrics)
         return self._iterations(start, start, self._dropped_in_flight(start), progress)
 
     def _iterations(self, first: int, start: int, dropped: int, progress) -> list[dict[str, float]]:

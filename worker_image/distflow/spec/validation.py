@@ -60,8 +60,10 @@ def size_problems(spec: JobSpec):
                f"(cluster.numNodes x cluster.procsPerNode); pick a divisor of {world}")
     rollout_dp = max(1, world // tp)
     if batch % rollout_dp:
+        source = ("the rollout pool's workers: async.rolloutPool.numNodes x cluster.procsPerNode"
+                  if spec.async_.enable else "cluster.numNodes x cluster.procsPerNode / rollout.tensorParallelSize")
         yield (f"data.trainBatchSize: {batch} prompts cannot be split evenly over {rollout_dp} "
-               f"rollout dp ranks; use a multiple of {rollout_dp}")
+               f"rollout dp ranks ({source}); use a multiple of {rollout_dp}, or change those sizes")
     mini = spec.actor.ppo_mini_batch_size
     if mini is not None and batch % mini:
         yield (f"actor.ppoMiniBatchSize: {mini} does not divide data.trainBatchSize={batch}; "
