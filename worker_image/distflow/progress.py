@@ -14,11 +14,11 @@ from __future__ import annotations
 import sys
 from typing import TextIO
 
-HEADLINE_METRICS = (("critic/score/mean", "{:.3f}"), ("perf/throughput", "{:.1f}"),
-                    ("timing_s/step", "{:.2f}"), ("eval/score", "{:.3f}"))
-"""What each step's line shows, in order: mean reward, tokens/s, step time (seconds), held-out score."""
 STEP_TIME = "timing_s/step"
 """In every trained step's metrics; the start call's (at most a held-out score) lack it."""
+HEADLINE_METRICS = (("critic/score/mean", "{:.3f}"), ("perf/throughput", "{:.1f}"),
+                    (STEP_TIME, "{:.2f}"), ("eval/score", "{:.3f}"))
+"""What each step's line shows, in order: mean reward, tokens/s, step time (seconds), held-out score."""
 
 
 def progress_printer(total_steps: int, stream: TextIO | None = None):

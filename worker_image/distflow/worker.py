@@ -220,6 +220,16 @@ class DagWorker:
         if self.step and self.exporter is not None:
             self.exporter.observe_checkpoint(self.step)
 
+    def _report_start(self, progress, evaluate: bool) -> None:
+        """Before the first step: with ``evaluate`` and ``data.eval``, score the policy on the
+        held-out prompts and log it as step 0; then ``progress``'s start call, with that score."""
+        metrics = {}
+        if evaluate and self.spec.data.eval is not None:
+            metrics = self._eval_metrics()
+            self._log({"training/step": 0, **metrics})
+        if progress:
+            progress(self.step, metrics)
+
     def _resuming(self) -> bool:
         spec = self.spec
         return bool(spec.checkpoint.dir) and self.env.resume and spec.checkpoint.resume == "auto"
@@ -511,12 +521,7 @@ class DagWorker:
         history = []
         chaos.install(self)
         self._resume()
-        start_metrics = {}
-        if self.step == 0 and spec.data.eval is not None:
-            start_metrics = self._eval_metrics()
-            self._log({"training/step": 0, **start_metrics})
-        if progress:
-            progress(self.step, start_metrics)
+        self._report_start(progress, evaluate=self.step == 0)
         fail_at = int(os.environ.get("DISTFLOW_INJECT_FAILURE_AT_STEP", "0"))
         while self.step < spec.trainer.total_steps:
             if fail_at and self.step + 1 == fail_at:

@@ -254,17 +254,11 @@ class PoolWorker(DagWorker):
             # A rollout worker joining the pool: the world, the step and the policy come from the running ranks.
             start = self.elastic.join(self)  # the steps trained so far; the next iteration is start + s
             return self._iterations(start + self.plan.staleness, start, 0, progress)
-        spec = self.spec
         self._resume("; the samples in flight when it was written are generated again")
         start = self.step  # every rank's loader continues at the checkpoint's step (its state)
         self.version = start
         self._sync_weights()
-        start_metrics = {}
-        if self.trains and start == 0 and spec.data.eval is not None:
-            start_metrics = self._eval_metrics()
-            self._log({"training/step": 0, **start_metrics})
-        if progress:
-            progress(self.step, start_metrics)
+        self._report_start(progress, evaluate=self.trains and start == 0)
         return self._iterations(start, start, self._dropped_in_flight(start), progress)
 
     def _iterations(self, first: int, start: int, dropped: int, progress) -> list[dict[str, float]]:
