@@ -2,6 +2,7 @@
 target, and the weight sync's buckets."""
 
 import pytest
+import yaml
 
 from distflow.coordinator import even_split, from_pool_view, pool_view
 from distflow.errors import DistflowConfigError
@@ -84,6 +85,17 @@ def test_what_the_asynchronous_mode_refuses_names_the_field(change, message):
         _spec(**change)
 
 
+def test_a_one_node_job_is_told_the_asynchronous_mode_needs_two_nodes_not_at_most_zero():
+    with pytest.raises(ValueError) as err:
+        parse_spec({"model": {"path": "tiny"}, "data": {"train": {"path": "arithmetic"}},
+                    "async": {"enable": True}})
+    text = str(err.value)
+    assert ("async.rolloutPool.numNodes: 1 of the job's 1 nodes (cluster.numNodes) leaves none to train; the "
+            "asynchronous mode needs at least 2 nodes (one trains, one generates): set cluster.numNodes >= 2, "
+            "or async.enable: false") in text, text
+    assert "at most 0" not in text
+
+
 def test_the_vllm_engine_generates_in_the_rollout_pool_with_tensor_parallelism_one():
     spec = _spec(rollout={"engine": "vllm"})
     assert spec.rollout.engine == "vllm" and spec.rollout.tensor_parallel_size == 1
@@ -124,3 +136,16 @@ def test_weight_sync_buckets_group_consecutive_parameters_under_the_bound():
     assert plan_buckets([3, 3], element_size=2, bucket_bytes=1 << 20) == [Bucket((0, 1), 6)]
     with pytest.raises(ValueError):
         plan_buckets([1], element_size=4, bucket_bytes=0)
+
+
+def test_validate_says_how_the_asynchronous_mode_splits_the_workers(tmp_path, capsys):
+    from distflow import cli
+
+    config = tmp_path / "job.yaml"
+    config.write_text(yaml.safe_dump({
+        "model": {"path": "tiny"}, "data": {"train": {"path": "arithmetic"}, "trainBatchSize": 4},
+        "cluster": {"numNodes": 3, "procsPerNode": 2},
+        "async": {"enable": True, "maxStaleness": 2, "rolloutPool": {"numNodes": 1}}}))
+    assert cli.main(["validate", str(config)]) == 0
+    assert capsys.readouterr().out == (f"{config}: valid (6 workers: 4 train, 2 generate in the rollout pool, "
+                                       "async.maxStaleness 2; workflow grpo)\n")

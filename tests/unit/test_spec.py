@@ -39,7 +39,10 @@ def test_camel_and_snake_case_are_both_accepted():
 @pytest.mark.parametrize("doc, path, fix", [
     ({"model": {"path": "tiny"}}, "spec.data", "required"),
     ({**MINIMAL, "modle": {}}, "spec.modle", "remove it"),
-    ({**MINIMAL, "rollout": {"n": 0}}, "spec.rollout.n", "greater than or equal to 1"),
+    ({**MINIMAL, "rollout": {"n": 0}}, "spec.rollout.n", "greater than or equal to 1 (got 0); use a value >= 1"),
+    ({**MINIMAL, "rollout": {"topP": 2.0}}, "spec.rollout.topP", "(got 2.0); use a value <= 1"),
+    ({**MINIMAL, "trainer": {"totalSteps": 2.5}}, "spec.trainer.totalSteps", "(got 2.5); use a whole number"),
+    ({**MINIMAL, "async": {"maxStaleness": -1}}, "spec.async.maxStaleness", "(got -1); use a value >= 0"),
     ({**MINIMAL, "rollout": {"temperature": "hot"}}, "spec.rollout.temperature", "got 'hot'"),
     ({**MINIMAL, "algorithm": {"advantageEstimator": "ppo2"}}, "spec.algorithm.advantageEstimator",
      "choose one of grpo"),
@@ -63,6 +66,21 @@ def test_camel_and_snake_case_are_both_accepted():
 def test_bad_spec_names_field_and_fix(doc, path, fix):
     problems = _problems(doc)
     assert any(p.startswith(path + ":") and fix in p for p in problems), problems
+
+
+@pytest.mark.parametrize("doc, problem", [
+    ({**MINIMAL, "data": {"train": {"path": "x"}, "trainBatchSzie": 4}},
+     "spec.data.trainBatchSzie: unknown field; did you mean trainBatchSize? (or remove it; fields are camelCase)"),
+    ({**MINIMAL, "actor": {"learningRate": 1e-6}},
+     "spec.actor.learningRate: unknown field; remove it or check its spelling (fields are camelCase)"),
+    ({**MINIMAL, "async": {"rolloutPool": {"numNode": 1}}},
+     "spec.async.rolloutPool.numNode: unknown field; did you mean numNodes? (or remove it; fields are camelCase)"),
+    ({**MINIMAL, "data": {"train": {"path": "x"}, "train_batch_size": 4, "trainBatchSize": 4}},
+     "spec.data.train_batch_size: given twice, as train_batch_size and trainBatchSize; keep one"),
+    ({**MINIMAL, "modle": {}}, "spec.modle: unknown field; did you mean model? (or remove it; fields are camelCase)"),
+])
+def test_an_unknown_field_gets_the_known_one_it_is_closest_to(doc, problem):
+    assert problem in _problems(doc)
 
 
 def test_every_problem_is_reported_at_once():

@@ -401,6 +401,21 @@ def newest_trainer_state(root: str | os.PathLike) -> tuple[str, dict] | None:
     return None
 
 
+def finished(root: str | os.PathLike, total_steps: int) -> tuple[str, int] | None:
+    """(location, step) of the newest complete checkpoint when its step is ``total_steps`` or more
+    and its checksums match its manifest: the run it belongs to has nothing left to train. None
+    otherwise (no checkpoint, steps left, or a newest one a resume would skip as corrupt)."""
+    store = _Store(root)
+    dirs = store.step_dirs()
+    for name in sorted((n for n in dirs if not n.endswith(".tmp")), reverse=True):
+        if verify(store, name, checksums=False) is None:
+            step = dirs[name]
+            if step >= total_steps and verify(store, name) is None:
+                return store.location(name), step
+            return None
+    return None
+
+
 def choose(root: str | os.PathLike) -> str | None:
     """Collective: the name (``step_N``) of the newest checkpoint that passes :func:`verify` with
     checksums, the same on every rank; None when there is none. Rank 0 says which ones it

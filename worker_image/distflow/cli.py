@@ -28,7 +28,9 @@ from distflow.spec import JobSpec, load_job_spec, load_rendered_spec
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="distflow", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="distflow", description="distflow: distributed RL post-training of LLMs "
+                                "(GRPO, PPO, DAPO); the same job on this machine or on Kubernetes (RLPostTrainJob). "
+                                "Start with: distflow run examples/quickstart.yaml")
     sub = p.add_subparsers(dest="command", required=True)
     for name, text in (("run", "train on this machine (local launcher)"),
                        ("plan", "print the execution plan"),
@@ -102,8 +104,14 @@ def cmd_validate(args) -> int:
         # What `distflow run` refuses at its start: a checkpoint made from another model or workflow
         # (the model's shape is compared there, once the model is resolved).
         check_resume(spec, None)
-    print(f"{args.config}: valid ({spec.world_size} workers, workflow "
-          f"{spec.workflow.name if not spec.workflow.nodes else 'custom'})")
+    workers = f"{spec.world_size} workers"
+    if spec.async_.enable:
+        rollout = spec.async_.rollout_pool.num_nodes * spec.cluster.procs_per_node
+        workers += (f": {spec.world_size - rollout} train, {rollout} generate in the rollout pool, "
+                    f"async.maxStaleness {spec.async_.max_staleness};")
+    else:
+        workers += ","
+    print(f"{args.config}: valid ({workers} workflow {spec.workflow.name if not spec.workflow.nodes else 'custom'})")
     return EXIT_OK
 
 

@@ -188,17 +188,29 @@ def launch_local(spec: JobSpec, job_name: str, resume: bool = True, progress: bo
     """
     import torch
 
+    from distflow import checkpoint
     from distflow.worker import WorkerEnv
 
     preflight(spec)
-    check_local_devices(spec, torch.cuda.device_count() if torch.cuda.is_available() else 0)
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    check_local_devices(spec, gpus)
     model_dir = resolve_model_dir(spec)  # a bad model path fails here, before the previous run is moved
     check_against_model(spec, model_dir)
     if not resume or spec.checkpoint.resume == "never":
         set_aside_previous_run(spec)
     else:
         check_resume(spec, model_dir)
+        if spec.checkpoint.dir and spec.checkpoint.resume == "auto" and (
+                done := checkpoint.finished(spec.checkpoint.dir, spec.trainer.total_steps)):
+            print(f"distflow: nothing to train: the step-{done[1]} checkpoint in {spec.checkpoint.dir} is at "
+                  f"trainer.totalSteps ({spec.trainer.total_steps}); raise trainer.totalSteps to train on, or "
+                  "--no-resume to start over", flush=True)
+            return
     cluster = spec.cluster
+    device = "cpu" if cluster.device == "cpu" or not gpus else "cuda"
+    print(f"distflow: starting {spec.world_size} workers on this machine ({cluster.num_nodes} nodes x "
+          f"{cluster.procs_per_node}, {device}); each imports torch and loads the model before the first step",
+          flush=True)
     # Every worker shares this machine: local_world_size counts them all (CPU threads per worker).
     base = WorkerEnv(rank=0, world_size=spec.world_size, local_rank=0,
                      local_world_size=spec.world_size, node_rank=0, num_nodes=cluster.num_nodes,

@@ -19,12 +19,15 @@ Version skew between the operator and the worker image is a contract, both ways:
 from __future__ import annotations
 
 import copy
+import difflib
 import re
+import typing
 from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
+from pydantic.alias_generators import to_camel
 
 from distflow.errors import DistflowConfigError
 from distflow.spec.models import WORKFLOW_DEFAULTS, JobSpec
@@ -55,13 +58,59 @@ def _format_validation_error(err: ValidationError, root: str) -> list[str]:
                 problems.append(f"{root}.{own_path}: {text}" if sep else f"{path}: {line}")
             continue
         if item["type"] == "extra_forbidden":
-            msg = "unknown field; remove it or check its spelling (fields are camelCase)"
+            msg = _unknown_field_message(item["loc"])
         elif item["type"] == "missing":
             msg = "required field is missing; add it"
         elif "input" in item:
             msg = f"{msg} (got {item['input']!r})"
+            if fix := _fix_for(item["type"], item.get("ctx") or {}):
+                msg = f"{msg}; {fix}"
         problems.append(f"{path}: {msg}")
     return problems
+
+
+def _known_fields(loc: tuple) -> dict[str, str] | None:
+    """``{camelCase name: snake_case name}`` of the spec section holding the field at ``loc`` (a
+    pydantic error location from :class:`JobSpec`), or None where it is not a spec section."""
+    model: Any = JobSpec
+    for part in loc[:-1]:
+        if isinstance(part, int):
+            continue
+        field = next((f for name, f in model.model_fields.items() if part in (name, f.alias)), None)
+        if field is None:
+            return None
+        kinds = [field.annotation, *typing.get_args(field.annotation)]
+        kinds += [arg for kind in kinds for arg in typing.get_args(kind)]  # list[X] | None
+        model = next((k for k in kinds if isinstance(k, type) and issubclass(k, BaseModel)), None)
+        if model is None:
+            return None
+    return {field.alias or name: name for name, field in model.model_fields.items()}
+
+
+def _unknown_field_message(loc: tuple) -> str:
+    """What to do about a field the spec does not have: the known one it misspells, if any."""
+    key, known = str(loc[-1]), _known_fields(loc) or {}
+    if to_camel(key) != key and to_camel(key) in known:
+        return f"given twice, as {key} and {to_camel(key)}; keep one"
+    if close := difflib.get_close_matches(key, list(known), n=1, cutoff=0.75):
+        return f"unknown field; did you mean {close[0]}? (or remove it; fields are camelCase)"
+    return "unknown field; remove it or check its spelling (fields are camelCase)"
+
+
+_BOUNDS = {"greater_than_equal": (">=", "ge"), "greater_than": (">", "gt"),
+           "less_than_equal": ("<=", "le"), "less_than": ("<", "lt")}
+_TYPE_FIXES = {"int_parsing": "use a whole number", "int_from_float": "use a whole number",
+               "int_type": "use a whole number", "float_parsing": "use a number", "float_type": "use a number",
+               "bool_parsing": "use true or false", "bool_type": "use true or false",
+               "string_type": "use a string (quote it in YAML)"}
+
+
+def _fix_for(error_type: str, ctx: dict) -> str | None:
+    """The fix for one of pydantic's field errors whose message gives none (a bound, a type)."""
+    if error_type in _BOUNDS:
+        op, key = _BOUNDS[error_type]
+        return f"use a value {op} {ctx[key]}" if key in ctx else None
+    return _TYPE_FIXES.get(error_type)
 
 
 def parse_spec(data: dict[str, Any], root: str = "spec") -> JobSpec:

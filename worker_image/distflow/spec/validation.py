@@ -98,8 +98,11 @@ def _pool_problems(spec: JobSpec):
     """The asynchronous mode's pools: both non-empty, and what it does not combine with yet."""
     pool, nodes = spec.async_.rollout_pool, spec.cluster.num_nodes
     if pool.num_nodes >= nodes:
+        fix = (f"use at most {nodes - 1}, or raise cluster.numNodes" if nodes > 1 else
+               "the asynchronous mode needs at least 2 nodes (one trains, one generates): set "
+               "cluster.numNodes >= 2, or async.enable: false")
         yield (f"async.rolloutPool.numNodes: {pool.num_nodes} of the job's {nodes} nodes (cluster.numNodes) "
-               f"leaves none to train; use at most {nodes - 1}, or raise cluster.numNodes")
+               f"leaves none to train; {fix}")
     if spec.rollout.engine == "vllm" and spec.rollout.tensor_parallel_size != 1:
         yield (f"rollout.tensorParallelSize: {spec.rollout.tensor_parallel_size}; in the asynchronous mode each "
                "rollout worker runs its own vLLM engine with tensor parallelism 1; set it to 1 (more rollout "

@@ -1,0 +1,79 @@
+"""What ``distflow run`` says and does on this machine before any worker starts.
+
+A run whose newest checkpoint (its checksums verified) already reached ``trainer.totalSteps``
+starts no worker: it says so and how to train on. Any other run announces its workers first, so a
+newcomer is not left in silence while they import torch and load the model.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from distflow import launcher
+from distflow.spec import parse_spec
+from tests.unit.test_checkpoint_manifest import _write_checkpoint
+
+pytestmark = pytest.mark.unit
+
+
+class Spawned(Exception):
+    pass
+
+
+def _spec(tmp_path, total_steps=3):
+    return parse_spec({"model": {"path": "tiny"}, "data": {"train": {"path": "arithmetic"}},
+                       "cluster": {"numNodes": 2},
+                       "trainer": {"totalSteps": total_steps, "logDir": str(tmp_path / "run")},
+                       "checkpoint": {"dir": str(tmp_path / "run" / "checkpoints")}})
+
+
+@pytest.fixture
+def no_workers(monkeypatch, tmp_path):
+    """launch_local up to the spawn, which raises Spawned: no model, no processes."""
+    monkeypatch.setattr(launcher, "resolve_model_dir", lambda spec: str(tmp_path / "model"))
+    monkeypatch.setattr(launcher, "check_against_model", lambda spec, model_dir: None)
+    monkeypatch.setattr(launcher, "check_resume", lambda spec, model_dir: None)
+
+    def spawn(main, args, num_workers):
+        raise Spawned(num_workers)
+
+    monkeypatch.setattr(launcher, "spawn_workers", spawn)
+
+
+def test_a_finished_run_starts_no_worker_and_says_how_to_train_on(no_workers, tmp_path, capsys):
+    spec = _spec(tmp_path, total_steps=3)
+    _write_checkpoint(tmp_path / "run" / "checkpoints", 2)
+    _write_checkpoint(tmp_path / "run" / "checkpoints", 3)
+    launcher.launch_local(spec, "job", progress=False)
+    out = capsys.readouterr().out
+    assert out == (f"distflow: nothing to train: the step-3 checkpoint in {tmp_path}/run/checkpoints is at "
+                   "trainer.totalSteps (3); raise trainer.totalSteps to train on, or --no-resume to start over\n")
+
+
+@pytest.mark.parametrize("newest, corrupt, total_steps", [
+    (2, False, 3),  # steps left
+    (3, True, 3),  # the last checkpoint is corrupt: the workers fall back to step 2 and train step 3 again
+    (3, False, 5),  # totalSteps raised after the run ended
+])
+def test_a_run_with_steps_left_announces_its_workers_and_starts_them(no_workers, tmp_path, capsys,
+                                                                    newest, corrupt, total_steps):
+    root = tmp_path / "run" / "checkpoints"
+    for step in range(1, newest + 1):
+        d = _write_checkpoint(root, step)
+    if corrupt:
+        data = bytearray((d / "__0_0.distcp").read_bytes())
+        data[7] ^= 1
+        (d / "__0_0.distcp").write_bytes(bytes(data))
+    with pytest.raises(Spawned, match="2"):
+        launcher.launch_local(_spec(tmp_path, total_steps), "job", progress=False)
+    assert capsys.readouterr().out == (
+        "distflow: starting 2 workers on this machine (2 nodes x 1, cpu); each imports torch and loads the "
+        "model before the first step\n")
+
+
+def test_no_resume_starts_over_even_from_a_finished_run(no_workers, tmp_path, capsys):
+    _write_checkpoint(tmp_path / "run" / "checkpoints", 3)
+    with pytest.raises(Spawned):
+        launcher.launch_local(_spec(tmp_path, 3), "job", resume=False, progress=False)
+    assert "starting 2 workers" in capsys.readouterr().out
+    assert (tmp_path / "run" / "checkpoints.previous" / "step_00000003").is_dir()
