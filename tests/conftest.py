@@ -22,7 +22,8 @@ REPO = Path(__file__).resolve().parents[1]
 
 OPT_IN_TIERS = {
     "bench": "benchmark",
-    "long": "the chaos loops at full size (operator killed x10, API server x5, 100 jobs x 8 nodes; ~15 min on 2 cores)",
+    "long": "long forms: the chaos loops at full size (operator killed x10, API server x5, 100 jobs x 8 nodes), and "
+            "runs whose behaviour a shorter default test also checks (~20 min on 2 cores)",
     "keda": "KEDA's operator and metrics server on the test control plane (bash tests/controlplane/build_keda.sh "
             "builds them once)",
     "ray": "Ray launcher tier (a two-node Ray cluster; 4 actors importing torch per run, ~5 min on 2 cores)",

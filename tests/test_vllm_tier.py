@@ -15,16 +15,18 @@ import pytest
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(3900)]
 
 TIER_TIMEOUT_S = 3600
-"""The default tier (`-m "not long"`) took 777 s of a 47-min CI run on 2 cores (1173 s on 2 loaded
-ones): the 2-worker GRPO run, the rollout pool's sync and async runs, the engine's parity checks and
-the colocated multi-turn rounds. Its `long` tests (the isolated engine's multi-turn rounds, the
-calculator example end to end, a 2-worker uneven-turns run; ~6 min more) are opt-in: run them with
-`.venv/bin/python-vllm -m pytest -m long tests/vllm`. The limit is generous for a loaded machine."""
+"""The default tier (`-m "not long"`) took 585 s of a 47-min CI run on 2 cores before the 8-step
+learning run and the asynchronous vLLM run moved to `long`: now the engine's parity checks, a
+2-step colocated GRPO run (every step synced, log-probs close to the actor's), the rollout pool's
+isolated-engine syncs and the colocated multi-turn rounds. Its `long` tests (those two runs, the
+isolated engine's multi-turn rounds, the calculator example end to end, a 2-worker uneven-turns
+run; ~12 min more) are opt-in: `.venv/bin/python-vllm -m pytest -m long tests/vllm`. The limit is
+generous for a loaded machine; the tier's slowest phases are listed under "figures"."""
 
 REPO = Path(__file__).resolve().parents[1]
 
 
-def test_vllm_tier_passes_in_its_own_venv():
+def test_vllm_tier_passes_in_its_own_venv(report_figure):
     python = os.environ.get("DISTFLOW_VLLM_PYTHON")
     if not python and (REPO / ".venv/bin/python-vllm").exists():
         python = str(REPO / ".venv/bin/python-vllm")
@@ -37,7 +39,8 @@ def test_vllm_tier_passes_in_its_own_venv():
         pytest.skip("vllm is importable here: tests/vllm run directly in this interpreter")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "worker_image"), str(REPO / "operator")])}
     try:
-        proc = subprocess.run([python, "-m", "pytest", "-x", "-v", "-p", "no:cacheprovider", "-m", "not long", "tests/vllm"],
+        proc = subprocess.run([python, "-m", "pytest", "-x", "-v", "-p", "no:cacheprovider", "-m", "not long",
+                               "--durations=0", "--durations-min=5", "tests/vllm"],
                               cwd=REPO, env=env, capture_output=True, text=True, timeout=TIER_TIMEOUT_S)
     except subprocess.TimeoutExpired as err:
         out = (err.stdout or b"").decode(errors="replace") if isinstance(err.stdout, bytes) else (err.stdout or "")
@@ -45,3 +48,15 @@ def test_vllm_tier_passes_in_its_own_venv():
     tail = (proc.stdout + proc.stderr)[-6000:]
     assert proc.returncode == 0, f"tests/vllm failed in {python}:\n{tail}"
     assert " passed" in proc.stdout and " skipped" not in proc.stdout.splitlines()[-1], tail
+    for line in _durations(proc.stdout):  # the tier's own slowest phases, in this run's summary
+        report_figure(f"vllm tier: {line}")
+
+
+def _durations(out: str) -> list[str]:
+    """The lines of pytest's ``slowest durations`` section in ``out`` (``12.34s call tests/...``)."""
+    lines = out.splitlines()
+    start = next((i for i, line in enumerate(lines) if "slowest" in line and "durations" in line), None)
+    if start is None:
+        return []
+    return [line.strip() for line in lines[start + 1:] if line.strip() and line.split()[0].endswith("s")
+            and line.split()[0][:-1].replace(".", "", 1).isdigit()]

@@ -32,7 +32,9 @@ from distflow import sample_ids
 from distflow.metrics import read_jsonl
 from tests.dist._jobs import run_job, tiny_job_spec
 
-pytestmark = [pytest.mark.dist, pytest.mark.chaos, pytest.mark.timeout(1800)]
+# long (~1.5 min on 2 cores): the default run resumes at other world sizes on pods, no sample lost or
+# repeated and the parameters those of a run resumed by hand (tests/e2e/test_e2e_resize.py).
+pytestmark = [pytest.mark.dist, pytest.mark.chaos, pytest.mark.long, pytest.mark.timeout(1800)]
 
 STEPS = {"totalSteps": 4}
 # Step 3 at 4 vs 2 workers differs only in how sums are split over ranks and micro-batches

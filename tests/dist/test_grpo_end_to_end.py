@@ -60,6 +60,7 @@ def test_centralized_and_distributed_give_identical_parameters(tmp_path, share):
             assert dist_step["perf/allgather_bytes"] == cent_step["perf/allgather_bytes"] > 0
 
 
+@pytest.mark.long  # the default run's chaos trials (tests/dist/test_chaos.py) assert the same, and more
 def test_resume_after_kill_matches_uninterrupted_run(tmp_path):
     steps = {"totalSteps": 4}
     ckpt = {"saveEverySteps": 2}

@@ -58,6 +58,8 @@ def test_ppo_centralized_and_distributed_give_identical_actor_and_critic(tmp_pat
     assert sum(r["data/busiest_rank_bytes"] for r in cent_log) > sum(r["data/busiest_rank_bytes"] for r in dist_log)
 
 
+@pytest.mark.long  # the default run: the chaos trials (GRPO) and a resume that fills actor and critic
+# from the checkpoint alone (tests/dist/test_resume_from_checkpoint_alone.py)
 def test_ppo_resumed_after_a_crash_matches_the_uninterrupted_run(tmp_path):
     steps, ckpt = {"totalSteps": 3}, {"saveEverySteps": 2}
     full, full_log = _run(_ppo(tmp_path, "full", trainer=steps, checkpoint=ckpt))

@@ -17,7 +17,9 @@ from tests.e2e.test_e2e_job import cluster, namespace  # noqa: F401  (fixtures)
 from tests.operator._helpers import Api, dump, operator_kubeconfig, operator_running, wait_for
 from tests.operator.test_operator_pool_resize import _patch
 
-pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1500)]
+# long (~2 min on 2 cores): the default run covers the in-place resize with `distflow node` processes
+# (tests/dist/test_rollout_pool_resize.py) and the operator's side of it (tests/operator/test_operator_pool_resize.py).
+pytestmark = [pytest.mark.e2e, pytest.mark.long, pytest.mark.timeout(1500)]
 
 TOTAL_STEPS = 400
 """Enough steps (about 0.2 s each here) that the joiner (torch imports, model load on a shared host) joins

@@ -139,6 +139,9 @@ def test_an_isolated_vllm_engine_samples_from_each_synced_version():
 STEPS = 3
 
 
+# long (~3 min): in the default run the isolated engine's syncs above, and tests/dist/test_async_pools.py
+# (the staleness bound and every prompt trained once, with the hf engine), check what it combines.
+@pytest.mark.long
 def test_asynchronous_grpo_with_vllm_in_the_rollout_pool_trains_every_prompt_once(tmp_path):
     log_dir = tmp_path / "async"
     rows = run_quickstart(log_dir, [
