@@ -422,6 +422,28 @@ def gpu_target_row(gpu: dict | None) -> list[str]:
             _status(bool(gpu.get("ok")) and (mfu or 0) >= 0.40)]
 
 
+def async_target_rows(result: dict) -> list[list[str]]:
+    """The targets table's rows for the asynchronous mode (issue 26): overlap, and convergence
+    against sync both as the issue words it (within the seeds' spread) and one-sided."""
+    overlap = "async step <= 1.1 x max(generation, training) of its pools (quickstart, staleness 1)"
+    converge = "async held-out score mean within sync's seed spread at every eval step (3 seeds each)"
+    if "runs" not in result:
+        why = result.get("error", "not run")[:120]
+        return [[overlap, why, _status(None)], [converge, why, _status(None)]]
+    from tests.bench import async_pools
+
+    s = result["settings"]
+    summ = async_pools.summarize(async_pools.Settings(**{**s, "seeds": tuple(s["seeds"])}), result["runs"])
+    ratio = summ["async"]["median_step_over_floor"]
+    steps = sorted(summ["async_mean_within_sync_spread"], key=int)
+    outside = [k for k in steps if not summ["async_mean_within_sync_spread"][k]]
+    below = [k for k in steps if not summ["async_mean_at_least_sync_min"][k]]
+    measured = (f"within at {len(steps) - len(outside)} of {len(steps)} eval steps"
+                + (f" (outside at {', '.join(outside)}: " + ("below at " + ", ".join(below) if below
+                                                              else "above, none below") + ")" if outside else ""))
+    return [[overlap, f"{ratio:.2f}", _status(ratio <= 1.1)], [converge, measured, _status(not outside)]]
+
+
 def resize_target_row(resize: dict) -> list[str]:
     """The targets table's row for the resize cost: each direction against its target."""
     target = "resize cost (scale request -> next step) < one step + worker start (CPU, SmolLM2, 2 -> 4 -> 2)"
@@ -559,6 +581,7 @@ def targets_table(results: dict, tables: dict, gpu: dict | None) -> str:
         rows.append(["each worker's peak <= 1.5 x (model + grad + optimizer shards + rollout weights)",
                      f"worst {worst:.2f}x", _status(worst <= 1.5)])
     rows.append(gpu_target_row(gpu))
+    rows += async_target_rows(_get(results, "async"))
     rows.append(resize_target_row(_get(results, "resize")))
     table = "## Targets\n\n" + md_table(["target (issue)", "measured", "status"], rows)
     if any("*out of date*" in row[1] for row in rows):

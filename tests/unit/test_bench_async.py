@@ -26,4 +26,15 @@ def test_floor_ratio_speedup_and_spread():
     assert out["speedup"] == pytest.approx(11.0 / 6.3)
     # step 2: async mean 0.15 is below sync's 0.2..0.3; step 4: 0.40 within 0.30..0.50
     assert out["async_mean_within_sync_spread"] == {"0": True, "2": False, "4": True}
+    assert out["async_mean_at_least_sync_min"] == {"0": True, "2": False, "4": True}
     assert out["final_step"] == 4
+
+
+def test_an_async_mean_above_syncs_spread_is_outside_it_but_not_below_it():
+    s = Settings(steps=2, eval_every=2, seeds=(0, 1), warmup_steps=0)
+    runs = {"sync": [_run([1, 1], [(0, 0.1), (2, 0.2)]), _run([1, 1], [(0, 0.1), (2, 0.3)])],
+            "async": [_run([1, 1], [(0, 0.1), (2, 0.4)], [1, 1], [1, 1]),
+                      _run([1, 1], [(0, 0.1), (2, 0.36)], [1, 1], [1, 1])]}
+    out = summarize(s, runs)
+    assert out["async_mean_within_sync_spread"]["2"] is False  # 0.38 > 0.3
+    assert out["async_mean_at_least_sync_min"]["2"] is True
