@@ -77,3 +77,27 @@ def test_no_resume_starts_over_even_from_a_finished_run(no_workers, tmp_path, ca
         launcher.launch_local(_spec(tmp_path, 3), "job", resume=False, progress=False)
     assert "starting 2 workers" in capsys.readouterr().out
     assert (tmp_path / "run" / "checkpoints.previous" / "step_00000003").is_dir()
+
+
+def test_a_model_prepared_once_is_announced_the_first_time_only(monkeypatch, tmp_path, capsys):
+    monkeypatch.setenv("DISTFLOW_CACHE", str(tmp_path / "cache"))
+    spec = _spec(tmp_path)  # model.path: tiny (built into the cache)
+    first = launcher.resolve_model_dir(spec)
+    assert capsys.readouterr().out == (f"distflow: preparing model.path 'tiny' once (converted or built into "
+                                       f"{tmp_path}/cache; later runs reuse it)\n")
+    assert launcher.resolve_model_dir(spec) == first
+    assert capsys.readouterr().out == ""
+
+
+def test_progress_bars_are_off_where_stderr_is_not_a_terminal(tmp_path):
+    """The model conversion's tqdm bars, redrawn with carriage returns, are noise in a log file or
+    `kubectl logs`; the CLI turns tqdm off before anything imports it."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from distflow import cli; cli.main(['plan', sys.argv[1]]); "
+            "from tqdm import tqdm; print('disabled' if tqdm(range(2)).disable else 'enabled')")
+    config = tmp_path / "job.yaml"
+    config.write_text("model: {path: tiny}\ndata: {train: {path: arithmetic}}\n")
+    out = subprocess.run([sys.executable, "-c", code, str(config)], capture_output=True, text=True, check=True)
+    assert out.stdout.strip().splitlines()[-1] == "disabled", out.stdout + out.stderr

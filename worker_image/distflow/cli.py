@@ -155,6 +155,10 @@ def _termination_message(text: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    if not sys.stderr.isatty():
+        # tqdm's bars (the model conversion's, transformers' loading) redraw with carriage returns:
+        # noise in a log file or `kubectl logs`. Read when tqdm is imported, which happens later.
+        os.environ.setdefault("TQDM_DISABLE", "1")
     args = _parser().parse_args(argv)
     in_pod = args.command == "node"
     try:

@@ -41,10 +41,15 @@ def resolve_model_dir(spec: JobSpec) -> str:
     Raises:
         DistflowConfigError: the model path cannot be resolved.
     """
-    from distflow.models import model_cache_dir, resolve_model
+    from distflow.models import model_cache_dir, model_source_problem, resolve_model, resolved_model_dir
 
+    cache, source = model_cache_dir(), spec.model.path
+    made_here = (source == "smollm2" or source.startswith(("gguf:", "tiny"))) and not Path(source).is_dir()
+    if made_here and not model_source_problem(source) and resolved_model_dir(source, cache) is None:
+        print(f"distflow: preparing model.path {source!r} once (converted or built into {cache}; later runs "
+              "reuse it)", flush=True)
     try:
-        return str(resolve_model(spec.model.path, model_cache_dir()))
+        return str(resolve_model(spec.model.path, cache))
     except (ValueError, FileNotFoundError) as err:
         raise DistflowConfigError(f"spec.model.path: {err}") from None
 
