@@ -47,7 +47,51 @@ def test_a_finished_run_starts_no_worker_and_says_how_to_train_on(no_workers, tm
     launcher.launch_local(spec, "job", progress=False)
     out = capsys.readouterr().out
     assert out == (f"distflow: nothing to train: the step-3 checkpoint in {tmp_path}/run/checkpoints is at "
-                   "trainer.totalSteps (3); raise trainer.totalSteps to train on, or --no-resume to start over\n")
+                   "trainer.totalSteps (3); raise trainer.totalSteps above 3 to train on, or --no-resume to start "
+                   "over\n")
+
+
+def test_a_checkpoint_past_total_steps_says_past_and_how_far_to_raise_it(no_workers, tmp_path, capsys):
+    _write_checkpoint(tmp_path / "run" / "checkpoints", 5)
+    launcher.launch_local(_spec(tmp_path, total_steps=3), "job", progress=False)
+    assert "the step-5 checkpoint in" in (out := capsys.readouterr().out)
+    assert "is past trainer.totalSteps (3); raise trainer.totalSteps above 5 to train on" in out
+
+
+def test_a_run_without_a_checkpoint_dir_starts_over_and_sets_the_previous_logs_aside(no_workers, tmp_path, capsys):
+    spec = parse_spec({"model": {"path": "tiny"}, "data": {"train": {"path": "arithmetic"}},
+                       "trainer": {"logDir": str(tmp_path / "run")}, "checkpoint": {"dir": None}})
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "metrics.jsonl").write_text('{"training/step": 0, "eval/score": 0.5}\n')
+    with pytest.raises(Spawned):
+        launcher.launch_local(spec, "job", progress=False)
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()  # this run's summary cannot mix in the old one
+    assert (tmp_path / "run" / "metrics.jsonl.previous").is_file()
+    assert "starting over (no checkpoint.dir to resume from)" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("flags, resume", [([], True), (["--no-resume"], False), (["--resume"], True)])
+def test_resume_continues_even_where_the_config_says_never(monkeypatch, tmp_path, flags, resume):
+    """``--resume`` continues even where the config says ``checkpoint.resume: never``."""
+    from distflow import cli
+
+    seen = []
+    monkeypatch.setattr(launcher, "launch_local", lambda spec, name, resume: seen.append((resume, spec)))
+    config = tmp_path / "job.yaml"
+    config.write_text("model: {path: tiny}\ndata: {train: {path: arithmetic}}\ncheckpoint: {resume: never}\n"
+                      f"trainer: {{logDir: {tmp_path}/run}}\n")
+    assert cli.main(["run", str(config), *flags]) == 0
+    (got_resume, spec), = seen
+    assert got_resume is resume
+    assert spec.checkpoint.resume == ("auto" if "--resume" in flags else "never")
+
+
+def test_resume_and_no_resume_together_are_refused(tmp_path, capsys):
+    from distflow import cli
+
+    with pytest.raises(SystemExit) as err:
+        cli.main(["run", str(tmp_path / "job.yaml"), "--resume", "--no-resume"])
+    assert err.value.code == 2 and "not allowed with argument" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("newest, corrupt, total_steps", [

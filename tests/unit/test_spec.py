@@ -78,6 +78,8 @@ def test_bad_spec_names_field_and_fix(doc, path, fix):
     ({**MINIMAL, "data": {"train": {"path": "x"}, "train_batch_size": 4, "trainBatchSize": 4}},
      "spec.data.train_batch_size: given twice, as train_batch_size and trainBatchSize; keep one"),
     ({**MINIMAL, "modle": {}}, "spec.modle: unknown field; did you mean model? (or remove it; fields are camelCase)"),
+    ({**MINIMAL, "rollout": {"maxResponseLength": 12}},
+     "spec.rollout.maxResponseLength: not a field of this section; it is spec.data.maxResponseLength"),
 ])
 def test_an_unknown_field_gets_the_known_one_it_is_closest_to(doc, problem):
     assert problem in _problems(doc)

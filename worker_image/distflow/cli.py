@@ -41,9 +41,12 @@ def _parser() -> argparse.ArgumentParser:
                        help="override a spec field (the value read as YAML), e.g. --set data.train.path=train.jsonl; "
                             "a number picks a list item: --set rollout.multiTurn.tools.0.function=m:f")
         if name == "run":
-            c.add_argument("--no-resume", action="store_true", help="start over: move the previous run's checkpoints and logs aside (<name>.previous)")
-            c.add_argument("--resume", action="store_true",
-                           help="continue from the latest checkpoint (the default when one exists)")
+            once = c.add_mutually_exclusive_group()
+            once.add_argument("--no-resume", action="store_true",
+                              help="start over: move the previous run's checkpoints and logs aside (<name>.previous)")
+            once.add_argument("--resume", action="store_true",
+                              help="continue from the latest checkpoint (the default when one exists; "
+                                   "also where the config says checkpoint.resume: never)")
             c.add_argument("--ray", metavar="ADDRESS", default=None,
                            help="run the workers as actors on this Ray cluster: auto (Ray's discovery), "
                                 "HOST:PORT or ray://HOST:10001 (default: spec.ray.address, else this machine)")
@@ -65,6 +68,8 @@ def cmd_run(args) -> int:
     from distflow.metrics import read_jsonl
 
     spec = _load(args)
+    if args.resume and spec.checkpoint.resume != "auto":
+        spec = spec.model_copy(update={"checkpoint": spec.checkpoint.model_copy(update={"resume": "auto"})})
     address = args.ray or spec.ray.address
     if address:
         from distflow.ray_launcher import launch_ray

@@ -203,13 +203,16 @@ def launch_local(spec: JobSpec, job_name: str, resume: bool = True, progress: bo
     check_against_model(spec, model_dir)
     if not resume or spec.checkpoint.resume == "never":
         set_aside_previous_run(spec)
+    elif not spec.checkpoint.dir:  # nothing to resume from: this run's logs must not extend an older run's
+        set_aside_previous_run(spec, why="no checkpoint.dir to resume from")
     else:
         check_resume(spec, model_dir)
         if spec.checkpoint.dir and spec.checkpoint.resume == "auto" and (
                 done := checkpoint.finished(spec.checkpoint.dir, spec.trainer.total_steps)):
-            print(f"distflow: nothing to train: the step-{done[1]} checkpoint in {spec.checkpoint.dir} is at "
-                  f"trainer.totalSteps ({spec.trainer.total_steps}); raise trainer.totalSteps to train on, or "
-                  "--no-resume to start over", flush=True)
+            where = "at" if done[1] == spec.trainer.total_steps else "past"
+            print(f"distflow: nothing to train: the step-{done[1]} checkpoint in {spec.checkpoint.dir} is {where} "
+                  f"trainer.totalSteps ({spec.trainer.total_steps}); raise trainer.totalSteps above {done[1]} to "
+                  "train on, or --no-resume to start over", flush=True)
             return
     cluster = spec.cluster
     device = "cpu" if cluster.device == "cpu" or not gpus else "cuda"
@@ -224,7 +227,7 @@ def launch_local(spec: JobSpec, job_name: str, resume: bool = True, progress: bo
     spawn_workers(_local_worker_main, (spec, base, progress), spec.world_size)
 
 
-def set_aside_previous_run(spec: JobSpec) -> list[Path]:
+def set_aside_previous_run(spec: JobSpec, why: str = "--no-resume or checkpoint.resume: never") -> list[Path]:
     """Starting over (``--no-resume``, ``checkpoint.resume: never``): move an earlier run's
     checkpoints and logs out of the way.
 
@@ -255,8 +258,8 @@ def set_aside_previous_run(spec: JobSpec) -> list[Path]:
         elif old.exists():
             old.unlink()
     moved = [path.rename(path.with_name(path.name + ".previous")) for path in present]
-    print("distflow: starting over (--no-resume or checkpoint.resume: never): the previous run was moved aside to "
-          + ", ".join(map(str, moved)), flush=True)
+    print(f"distflow: starting over ({why}): the previous run was moved aside to " + ", ".join(map(str, moved)),
+          flush=True)
     return moved
 
 

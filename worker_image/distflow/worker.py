@@ -204,19 +204,19 @@ class DagWorker:
 
     def _resume(self, in_flight: str = "") -> None:
         """Load the checkpoint ``_choose_resume`` chose, if any (``self.step``: its step, else 0), and
-        drop what a killed run logged past it (metrics lines, trained sample ids: all, if none).
-        ``in_flight``: what the log line adds about the samples in flight when it was written."""
+        drop what a killed run logged past it (metrics lines, trained ids; at step 0 all, as the step-0
+        eval runs again). ``in_flight``: what the log line adds about the samples in flight then."""
         spec = self.spec
         if not self._resuming():
             return
         self.step = checkpoint.load(spec.checkpoint.dir, self.resume_from, self)
         if self.step and self.is_logger:
-            print(f"distflow: resumed from the step-{self.step} checkpoint in {spec.checkpoint.dir} "
-                  f"({spec.trainer.total_steps - self.step} steps to go; --no-resume starts over{in_flight})",
-                  flush=True)
+            left = spec.trainer.total_steps - self.step
+            print(f"distflow: resumed from the step-{self.step} checkpoint in {spec.checkpoint.dir} ({left} "
+                  f"step{'s' * (left != 1)} to go; --no-resume starts over{in_flight})", flush=True)
         if self.writer is not None:
-            self.writer.drop_after(self.step)
-            sample_ids.drop_after(spec.trainer.log_dir, self.step)
+            self.writer.drop_after(kept := self.step if self.step else -1)
+            sample_ids.drop_after(spec.trainer.log_dir, kept)
         if self.step and self.exporter is not None:
             self.exporter.observe_checkpoint(self.step)
 

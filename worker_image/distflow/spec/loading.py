@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import copy
 import difflib
+import functools
 import re
 import typing
 from pathlib import Path
@@ -58,7 +59,7 @@ def _format_validation_error(err: ValidationError, root: str) -> list[str]:
                 problems.append(f"{root}.{own_path}: {text}" if sep else f"{path}: {line}")
             continue
         if item["type"] == "extra_forbidden":
-            msg = _unknown_field_message(item["loc"])
+            msg = _unknown_field_message(item["loc"], root)
         elif item["type"] == "missing":
             msg = "required field is missing; add it"
         elif "input" in item:
@@ -87,11 +88,30 @@ def _known_fields(loc: tuple) -> dict[str, str] | None:
     return {field.alias or name: name for name, field in model.model_fields.items()}
 
 
-def _unknown_field_message(loc: tuple) -> str:
-    """What to do about a field the spec does not have: the known one it misspells, if any."""
+@functools.cache
+def _section_paths(model: Any = JobSpec, prefix: tuple[str, ...] = ()) -> dict[str, list[str]]:
+    """``{camelCase field name: [its paths in the spec]}``, every section walked."""
+    paths: dict[str, list[str]] = {}
+    for name, field in model.model_fields.items():
+        alias = field.alias or name
+        paths.setdefault(alias, []).append(".".join((*prefix, alias)))
+        kinds = [field.annotation, *typing.get_args(field.annotation)]
+        kinds += [arg for kind in kinds for arg in typing.get_args(kind)]
+        for kind in {k for k in kinds if isinstance(k, type) and issubclass(k, BaseModel)}:
+            for key, found in _section_paths(kind, (*prefix, alias)).items():
+                paths.setdefault(key, []).extend(found)
+    return paths
+
+
+def _unknown_field_message(loc: tuple, root: str) -> str:
+    """What to do about a field the spec does not have: the known one it misspells, if any, or the
+    section it belongs to."""
     key, known = str(loc[-1]), _known_fields(loc) or {}
     if to_camel(key) != key and to_camel(key) in known:
         return f"given twice, as {key} and {to_camel(key)}; keep one"
+    elsewhere = sorted(set(_section_paths().get(to_camel(key), ())))
+    if 0 < len(elsewhere) <= 3:  # a name as common as `enable` or `path` would point everywhere
+        return f"not a field of this section; it is {' or '.join(f'{root}.{p}' for p in elsewhere)}"
     if close := difflib.get_close_matches(key, list(known), n=1, cutoff=0.75):
         return f"unknown field; did you mean {close[0]}? (or remove it; fields are camelCase)"
     return "unknown field; remove it or check its spelling (fields are camelCase)"
