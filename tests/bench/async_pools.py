@@ -103,6 +103,13 @@ def summarize(s: Settings, runs: dict[str, list[dict]]) -> dict:
     return summary
 
 
+def summary_of(result: dict) -> dict:
+    """``summarize`` of a saved result (its settings and runs), so a re-render shows every figure
+    the current ``summarize`` computes, also for results saved before it computed them."""
+    s = result["settings"]
+    return summarize(Settings(**{**s, "seeds": tuple(s["seeds"])}), result["runs"])
+
+
 def run(s: Settings = Settings(), workdir: Path | None = None) -> dict:
     import tempfile
 

@@ -432,8 +432,7 @@ def async_target_rows(result: dict) -> list[list[str]]:
         return [[overlap, why, _status(None)], [converge, why, _status(None)]]
     from tests.bench import async_pools
 
-    s = result["settings"]
-    summ = async_pools.summarize(async_pools.Settings(**{**s, "seeds": tuple(s["seeds"])}), result["runs"])
+    summ = async_pools.summary_of(result)
     ratio = summ["async"]["median_step_over_floor"]
     steps = sorted(summ["async_mean_within_sync_spread"], key=int)
     outside = [k for k in steps if not summ["async_mean_within_sync_spread"][k]]

@@ -279,8 +279,7 @@ def render_async(result: dict) -> str:
         return f"**Not measured:** {result['error']}"
     from tests.bench import async_pools
 
-    s = result["settings"]
-    summ = async_pools.summarize(async_pools.Settings(**{**s, "seeds": tuple(s["seeds"])}), result["runs"])
+    s, summ = result["settings"], async_pools.summary_of(result)
     a = summ["async"]
     table = md_table(["mode", "median step (s)", "generate (s)", "train (s)", "step / max(generate, train)"],
                      [["sync (2 workers generate, then train)", f"{summ['sync']['median_step_seconds']:.2f}",

@@ -394,10 +394,17 @@ def newest_trainer_state(root: str | os.PathLike) -> tuple[str, dict] | None:
     """(location, trainer.json) of the newest complete checkpoint (sizes checked, not checksums);
     None when there is none."""
     store = _Store(root)
+    if (name := _newest_complete(store)) is None:
+        return None
+    with store.fs.open(store.path(name, "trainer.json"), "rb") as f:
+        return store.location(name), json.loads(f.read())
+
+
+def _newest_complete(store: _Store) -> str | None:
+    """The newest checkpoint whose manifest vouches for its files' sizes (not checksums), or None."""
     for name in sorted((n for n in store.step_dirs() if not n.endswith(".tmp")), reverse=True):
         if verify(store, name, checksums=False) is None:
-            with store.fs.open(store.path(name, "trainer.json"), "rb") as f:
-                return store.location(name), json.loads(f.read())
+            return name
     return None
 
 
@@ -406,14 +413,10 @@ def finished(root: str | os.PathLike, total_steps: int) -> tuple[str, int] | Non
     and its checksums match its manifest: the run it belongs to has nothing left to train. None
     otherwise (no checkpoint, steps left, or a newest one a resume would skip as corrupt)."""
     store = _Store(root)
-    dirs = store.step_dirs()
-    for name in sorted((n for n in dirs if not n.endswith(".tmp")), reverse=True):
-        if verify(store, name, checksums=False) is None:
-            step = dirs[name]
-            if step >= total_steps and verify(store, name) is None:
-                return store.location(name), step
-            return None
-    return None
+    if (name := _newest_complete(store)) is None:
+        return None
+    step = int(_STEP_DIR.match(name).group(1))
+    return (store.location(name), step) if step >= total_steps and verify(store, name) is None else None
 
 
 def choose(root: str | os.PathLike) -> str | None:

@@ -207,8 +207,7 @@ def launch_local(spec: JobSpec, job_name: str, resume: bool = True, progress: bo
         set_aside_previous_run(spec, why="no checkpoint.dir to resume from")
     else:
         check_resume(spec, model_dir)
-        if spec.checkpoint.dir and spec.checkpoint.resume == "auto" and (
-                done := checkpoint.finished(spec.checkpoint.dir, spec.trainer.total_steps)):
+        if done := checkpoint.finished(spec.checkpoint.dir, spec.trainer.total_steps):
             where = "at" if done[1] == spec.trainer.total_steps else "past"
             print(f"distflow: nothing to train: the step-{done[1]} checkpoint in {spec.checkpoint.dir} is {where} "
                   f"trainer.totalSteps ({spec.trainer.total_steps}); raise trainer.totalSteps above {done[1]} to "

@@ -78,14 +78,18 @@ def _known_fields(loc: tuple) -> dict[str, str] | None:
         if isinstance(part, int):
             continue
         field = next((f for name, f in model.model_fields.items() if part in (name, f.alias)), None)
-        if field is None:
+        if field is None or not (sections := _sections_of(field.annotation)):
             return None
-        kinds = [field.annotation, *typing.get_args(field.annotation)]
-        kinds += [arg for kind in kinds for arg in typing.get_args(kind)]  # list[X] | None
-        model = next((k for k in kinds if isinstance(k, type) and issubclass(k, BaseModel)), None)
-        if model is None:
-            return None
+        model = sections[0]
     return {field.alias or name: name for name, field in model.model_fields.items()}
+
+
+def _sections_of(annotation: Any) -> list[type[BaseModel]]:
+    """The spec sections (pydantic models) a field's annotation holds: ``X``, ``X | None``,
+    ``list[X] | None``."""
+    kinds = [annotation, *typing.get_args(annotation)]
+    kinds += [arg for kind in kinds for arg in typing.get_args(kind)]
+    return list(dict.fromkeys(k for k in kinds if isinstance(k, type) and issubclass(k, BaseModel)))
 
 
 @functools.cache
@@ -95,9 +99,7 @@ def _section_paths(model: Any = JobSpec, prefix: tuple[str, ...] = ()) -> dict[s
     for name, field in model.model_fields.items():
         alias = field.alias or name
         paths.setdefault(alias, []).append(".".join((*prefix, alias)))
-        kinds = [field.annotation, *typing.get_args(field.annotation)]
-        kinds += [arg for kind in kinds for arg in typing.get_args(kind)]
-        for kind in {k for k in kinds if isinstance(k, type) and issubclass(k, BaseModel)}:
+        for kind in _sections_of(field.annotation):
             for key, found in _section_paths(kind, (*prefix, alias)).items():
                 paths.setdefault(key, []).extend(found)
     return paths
