@@ -118,6 +118,23 @@ def test_torn_corrupt_and_partial_checkpoints_are_skipped_for_the_previous_one(t
     assert said[2].startswith(f"distflow: skipping checkpoint {root}/step_00000002: no manifest")
 
 
+def _corrupt_the_only_one(root: str) -> None:
+    shard = sorted(p for p in (Path(root) / "step_00000001").iterdir() if p.suffix == ".distcp")[-1]
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))
+
+
+def test_when_no_checkpoint_is_left_resume_says_training_starts_from_step_0(tmp_path):
+    root = tmp_path / "ckpt"
+    results = run_on_ranks(_scenario, 2, str(root), [1], 5, f"{__name__}:_corrupt_the_only_one", timeout_s=600)
+    for errors, (step, _, loader_state, _) in results:
+        assert errors == [] and step == 0 and loader_state == {"epoch": 0, "offset": 4 * 99}  # untouched
+    assert results[0][1][3] == (f"distflow: skipping checkpoint {root}/step_00000001: __1_0.distcp does not match "
+                                "its sha256 in the manifest (corrupt); no other checkpoint is left: training "
+                                "starts from step 0\n")
+
+
 @pytest.fixture
 def small_tmpfs(tmp_path):
     """A 1.5 MiB tmpfs: room for one checkpoint of the 256-wide model (~0.8 MiB), not two."""

@@ -51,6 +51,19 @@ def test_a_finished_run_starts_no_worker_and_says_how_to_train_on(no_workers, tm
                    "over\n")
 
 
+def test_a_finished_run_on_ray_reserves_nothing_and_says_how_to_train_on(tmp_path, capsys):
+    """The Ray launcher makes the same check before it reaches for the cluster: no actor starts
+    (here no cluster at all is reached)."""
+    pytest.importorskip("ray")
+    from distflow import ray_launcher
+
+    _write_checkpoint(tmp_path / "run" / "checkpoints", 3)
+    ray_launcher.launch_ray(_spec(tmp_path, total_steps=3), "job", "127.0.0.1:9", progress=False)
+    assert capsys.readouterr().out == (
+        f"distflow: nothing to train: the step-3 checkpoint in {tmp_path}/run/checkpoints is at trainer.totalSteps "
+        "(3); raise trainer.totalSteps above 3 to train on, or --no-resume to start over\n")
+
+
 def test_a_checkpoint_past_total_steps_says_past_and_how_far_to_raise_it(no_workers, tmp_path, capsys):
     _write_checkpoint(tmp_path / "run" / "checkpoints", 5)
     launcher.launch_local(_spec(tmp_path, total_steps=3), "job", progress=False)

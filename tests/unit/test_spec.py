@@ -43,6 +43,13 @@ def test_camel_and_snake_case_are_both_accepted():
     ({**MINIMAL, "rollout": {"topP": 2.0}}, "spec.rollout.topP", "(got 2.0); use a value <= 1"),
     ({**MINIMAL, "trainer": {"totalSteps": 2.5}}, "spec.trainer.totalSteps", "(got 2.5); use a whole number"),
     ({**MINIMAL, "async": {"maxStaleness": -1}}, "spec.async.maxStaleness", "(got -1); use a value >= 0"),
+    # YAML's true/false are not numbers (pydantic would read true as 1)
+    ({**MINIMAL, "trainer": {"totalSteps": True}}, "spec.trainer.totalSteps", "(got True); use a whole number"),
+    ({**MINIMAL, "actor": {"lr": False}}, "spec.actor.lr", "(got False); use a number"),
+    ({**MINIMAL, "trainer": {"metricsPort": True}}, "spec.trainer.metricsPort", "(got True); use a whole number"),
+    # YAML 1.1 reads 1e3 as text: say what to write
+    ({**MINIMAL, "trainer": {"totalSteps": "1e3"}}, "spec.trainer.totalSteps",
+     "(got '1e3'); use a whole number: 1000 (YAML reads 1e3 as text)"),
     ({**MINIMAL, "rollout": {"temperature": "hot"}}, "spec.rollout.temperature", "got 'hot'"),
     ({**MINIMAL, "algorithm": {"advantageEstimator": "ppo2"}}, "spec.algorithm.advantageEstimator",
      "choose one of grpo"),

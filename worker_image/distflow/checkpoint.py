@@ -427,13 +427,14 @@ def choose(root: str | os.PathLike) -> str | None:
     names = [sorted((n for n in store.step_dirs() if not n.endswith(".tmp")), reverse=True)
              if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(names, src=0)
-    for name in names[0]:
+    for i, name in enumerate(names[0]):
         reason = _checksum_problem(store, name)
         if reason is None:
             return name
         if dist.get_rank() == 0:
-            print(f"distflow: skipping checkpoint {store.location(name)}: {reason}; trying the previous one",
-                  flush=True)
+            then = ("trying the previous one" if i + 1 < len(names[0])
+                    else "no other checkpoint is left: training starts from step 0")
+            print(f"distflow: skipping checkpoint {store.location(name)}: {reason}; {then}", flush=True)
     return None
 
 

@@ -193,7 +193,6 @@ def launch_local(spec: JobSpec, job_name: str, resume: bool = True, progress: bo
     """
     import torch
 
-    from distflow import checkpoint
     from distflow.worker import WorkerEnv
 
     preflight(spec)
@@ -207,11 +206,7 @@ def launch_local(spec: JobSpec, job_name: str, resume: bool = True, progress: bo
         set_aside_previous_run(spec, why="no checkpoint.dir to resume from")
     else:
         check_resume(spec, model_dir)
-        if done := checkpoint.finished(spec.checkpoint.dir, spec.trainer.total_steps):
-            where = "at" if done[1] == spec.trainer.total_steps else "past"
-            print(f"distflow: nothing to train: the step-{done[1]} checkpoint in {spec.checkpoint.dir} is {where} "
-                  f"trainer.totalSteps ({spec.trainer.total_steps}); raise trainer.totalSteps above {done[1]} to "
-                  "train on, or --no-resume to start over", flush=True)
+        if nothing_to_train(spec):
             return
     cluster = spec.cluster
     device = "cpu" if cluster.device == "cpu" or not gpus else "cuda"
@@ -224,6 +219,20 @@ def launch_local(spec: JobSpec, job_name: str, resume: bool = True, progress: bo
                      master_addr="127.0.0.1", master_port=free_port(), job_name=job_name,
                      model_dir=model_dir, device_index=0, resume=resume, metrics_port=spec.trainer.metrics_port)
     spawn_workers(_local_worker_main, (spec, base, progress), spec.world_size)
+
+
+def nothing_to_train(spec: JobSpec) -> bool:
+    """Whether a resumed run has no step left: its newest complete checkpoint (checksums verified)
+    is at or past trainer.totalSteps. Then it says so, and how to train on, and no worker need start."""
+    from distflow import checkpoint
+
+    if not spec.checkpoint.dir or not (done := checkpoint.finished(spec.checkpoint.dir, spec.trainer.total_steps)):
+        return False
+    where = "at" if done[1] == spec.trainer.total_steps else "past"
+    print(f"distflow: nothing to train: the step-{done[1]} checkpoint in {spec.checkpoint.dir} is {where} "
+          f"trainer.totalSteps ({spec.trainer.total_steps}); raise trainer.totalSteps above {done[1]} to "
+          "train on, or --no-resume to start over", flush=True)
+    return True
 
 
 def set_aside_previous_run(spec: JobSpec, why: str = "--no-resume or checkpoint.resume: never") -> list[Path]:

@@ -237,11 +237,13 @@ def launch_ray(spec: JobSpec, job_name: str, address: str, resume: bool = True, 
             Every actor and the placement group are released before it is raised.
     """
     from distflow.checkpoint_origin import check_resume
-    from distflow.launcher import set_aside_previous_run
+    from distflow.launcher import nothing_to_train, set_aside_previous_run
     from distflow.preflight import preflight
 
     preflight(spec)
     resources = worker_resources(spec)
+    if resume and spec.checkpoint.resume != "never" and nothing_to_train(spec):
+        return  # before the cluster is reached: no actor starts, nothing is reserved
     try:
         import ray
     except ImportError:

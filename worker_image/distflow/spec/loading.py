@@ -64,7 +64,7 @@ def _format_validation_error(err: ValidationError, root: str) -> list[str]:
             msg = "required field is missing; add it"
         elif "input" in item:
             msg = f"{msg} (got {item['input']!r})"
-            if fix := _fix_for(item["type"], item.get("ctx") or {}):
+            if fix := _fix_for(item["type"], item.get("ctx") or {}, item["input"]):
                 msg = f"{msg}; {fix}"
         problems.append(f"{path}: {msg}")
     return problems
@@ -127,12 +127,21 @@ _TYPE_FIXES = {"int_parsing": "use a whole number", "int_from_float": "use a who
                "string_type": "use a string (quote it in YAML)"}
 
 
-def _fix_for(error_type: str, ctx: dict) -> str | None:
-    """The fix for one of pydantic's field errors whose message gives none (a bound, a type)."""
+def _fix_for(error_type: str, ctx: dict, given: Any = None) -> str | None:
+    """The fix for one of pydantic's field errors whose message gives none (a bound, a type).
+    ``given``: the value given (YAML 1.1 reads ``1e3`` as text: the fix names the number)."""
     if error_type in _BOUNDS:
         op, key = _BOUNDS[error_type]
         return f"use a value {op} {ctx[key]}" if key in ctx else None
-    return _TYPE_FIXES.get(error_type)
+    fix = _TYPE_FIXES.get(error_type)
+    if error_type == "int_parsing" and isinstance(given, str):
+        try:
+            number = float(given)
+        except ValueError:
+            return fix
+        if number.is_integer():
+            return f"{fix}: {int(number)} (YAML reads {given} as text)"
+    return fix
 
 
 def parse_spec(data: dict[str, Any], root: str = "spec") -> JobSpec:
