@@ -426,7 +426,8 @@ def async_target_rows(result: dict) -> list[list[str]]:
     """The targets table's rows for the asynchronous mode (issue 26): overlap, and convergence
     against sync both as the issue words it (within the seeds' spread) and one-sided."""
     overlap = "async step <= 1.1 x max(generation, training) of its pools (quickstart, staleness 1)"
-    converge = "async held-out score mean within sync's seed spread at every eval step (3 seeds each)"
+    seeds = len(result.get("settings", {}).get("seeds", ()))
+    converge = f"async held-out score mean within sync's seed spread at every eval step ({seeds or '?'} seeds each)"
     if "runs" not in result:
         why = result.get("error", "not run")[:120]
         return [[overlap, why, _status(None)], [converge, why, _status(None)]]

@@ -38,3 +38,11 @@ def test_an_async_mean_above_syncs_spread_is_outside_it_but_not_below_it():
     out = summarize(s, runs)
     assert out["async_mean_within_sync_spread"]["2"] is False  # 0.38 > 0.3
     assert out["async_mean_at_least_sync_min"]["2"] is True
+    # the targets table's row names the seed count the result was measured with
+    from dataclasses import asdict
+
+    from tests.bench.notes import async_target_rows
+
+    converge = async_target_rows({"settings": asdict(s), "runs": runs})[1]
+    assert converge == ["async held-out score mean within sync's seed spread at every eval step (2 seeds each)",
+                        "within at 1 of 2 eval steps (outside at 2: above, none below)", "**missed**"]
