@@ -10,6 +10,11 @@ only decided on the worker; ``resolve_device_defaults`` fills them in:
     rollout.microBatchSize          64           from the KV cache's memory (hf; vllm: 64)
 
 so a CPU run keeps its behaviour and a GPU run gets what a GPU user expects.
+bfloat16 asked for (``model.mixedPrecision`` or ``model.dtype``) on a CPU that
+has no native bfloat16 (neither AVX512-BF16 nor AMX: torch emulates its
+matmuls, ~150x slower than float32 on an AVX2 core) computes in float32
+instead, and the worker says so (``bfloat16_fallback_note``); the switch
+``DISTFLOW_CPU_BFLOAT16=1`` keeps bfloat16 (``engines.fsdp.native_bfloat16``).
 The KV-cache estimate (``kv_cache_micro_batch_size``) needs the model's shape
 and the free GPU memory: the worker computes it once its models are loaded.
 """
@@ -35,14 +40,19 @@ def data_parallel_degrees(cluster: ClusterSpec, cuda: bool) -> tuple[int, int]:
     return replicate, world // replicate
 
 
-def resolve_device_defaults(spec: JobSpec, device_type: str) -> JobSpec:
+def resolve_device_defaults(spec: JobSpec, device_type: str, native_bfloat16: bool = True) -> JobSpec:
     """``spec`` with the device-dependent defaults (module docstring) settled for ``device_type``
-    ("cpu" or "cuda"); values the user gave are kept. ``rollout.microBatchSize`` stays None
-    on cuda with the hf engine, for ``kv_cache_micro_batch_size``."""
+    ("cpu" or "cuda"); values the user gave are kept, but for bfloat16 on a CPU without native
+    bfloat16 (``native_bfloat16`` False), which becomes float32. ``rollout.microBatchSize``
+    stays None on cuda with the hf engine, for ``kv_cache_micro_batch_size``."""
     cuda = device_type == "cuda"
+    mixed = ("bfloat16" if cuda else "none") if spec.model.mixed_precision == "auto" else spec.model.mixed_precision
+    dtype = spec.model.dtype
+    if not cuda and not native_bfloat16:
+        mixed = "none" if mixed == "bfloat16" else mixed
+        dtype = "float32" if dtype == "bfloat16" else dtype
     model = spec.model.model_copy(update={
-        "mixed_precision": ("bfloat16" if cuda else "none") if spec.model.mixed_precision == "auto"
-        else spec.model.mixed_precision,
+        "mixed_precision": mixed, "dtype": dtype,
         "tf32": cuda if spec.model.tf32 is None else spec.model.tf32})
     replicate, shard = data_parallel_degrees(spec.cluster, cuda)
     cluster = spec.cluster.model_copy(update={"data_parallel_replicate_degree": replicate,
@@ -52,6 +62,18 @@ def resolve_device_defaults(spec: JobSpec, device_type: str) -> JobSpec:
         micro = CPU_ROLLOUT_MICRO_BATCH_SIZE
     rollout = spec.rollout.model_copy(update={"micro_batch_size": micro})
     return spec.model_copy(update={"model": model, "cluster": cluster, "rollout": rollout})
+
+
+def bfloat16_fallback_note(given: JobSpec, resolved: JobSpec) -> str | None:
+    """What ``resolve_device_defaults`` turned from bfloat16 into float32 (a CPU without native
+    bfloat16), as one line for the run's log; None when it kept every bfloat16 asked for."""
+    moved = [f"model.{name} bfloat16" for name, attr in (("mixedPrecision", "mixed_precision"), ("dtype", "dtype"))
+             if getattr(given.model, attr) == "bfloat16" and getattr(resolved.model, attr) != "bfloat16"]
+    if not moved:
+        return None
+    return ("this CPU has no native bfloat16 (AVX512-BF16 or AMX), so bfloat16 matmuls are emulated (~150x "
+            f"slower than float32): {' and '.join(moved)} compute{'s' if len(moved) == 1 else ''} in float32 here; "
+            "DISTFLOW_CPU_BFLOAT16=1 keeps bfloat16")
 
 
 def kv_cache_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype_bytes: int) -> int:
