@@ -110,6 +110,21 @@ def test_a_killed_pool_worker_resumes_and_trains_every_prompt_once(tmp_path, ref
     assert sum(r.get("async/dropped_in_flight_samples", 0) for r in records) == 8  # one step of 4 x 2 in flight
 
 
+def test_a_run_raised_past_its_last_checkpoint_drops_no_sample(tmp_path):
+    """The run that wrote the step-2 checkpoint ended there, with nothing in flight: raising
+    trainer.totalSteps resumes it without dropping (or announcing) any sample."""
+    ended = {**pooled(1), "trainer": {"totalSteps": 2}, "checkpoint": {"saveEverySteps": 0}}
+    first = run_launcher(tmp_path, sections=ended)
+    assert first.returncode == 0, first.output[-3000:]
+    more = run_launcher(tmp_path, sections={**ended, "trainer": {"totalSteps": 3}})
+    assert more.returncode == 0, more.output[-3000:]
+    assert "resumed from the step-2 checkpoint" in more.output
+    assert "in flight" not in more.output, more.output[-3000:]
+    records = [r for r in read_jsonl(tmp_path / "job" / "metrics.jsonl") if "training/step" in r]
+    assert [r["training/step"] for r in records] == [1, 2, 3]
+    assert all("async/dropped_in_flight_samples" not in r for r in records)
+
+
 def test_ppo_trains_actor_and_critic_on_a_trainer_pool_of_two(tmp_path):
     spec = tiny_job_spec(tmp_path, "ppo", **pooled(1), workflow={"name": "ppo"},
                          cluster={"numNodes": 3, "procsPerNode": 1, "device": "cpu"})

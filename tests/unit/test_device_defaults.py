@@ -129,17 +129,17 @@ def test_a_cpu_without_native_bfloat16_computes_in_float32():
     # A GPU computes bfloat16 whatever the host CPU does.
     cuda = resolve_device_defaults(parse_spec(doc), "cuda", native_bfloat16=False)
     assert cuda.model.compute_dtype == "bfloat16"
-    assert bfloat16_fallback_note(parse_spec(doc), spec) == (
-        "this CPU has no native bfloat16 (AVX512-BF16 or AMX), so bfloat16 matmuls are emulated (~150x "
-        "slower than float32): model.mixedPrecision bfloat16 and model.dtype bfloat16 compute in float32 "
-        "here; DISTFLOW_CPU_BFLOAT16=1 keeps bfloat16")
-    assert bfloat16_fallback_note(parse_spec(doc), kept) is None
+    assert bfloat16_fallback_note(parse_spec(doc), spec, 1, 4) == (
+        "1 of 4 workers run on a CPU with no native bfloat16 (AVX512-BF16 or AMX), where bfloat16 matmuls "
+        "are emulated (~150x slower than float32): model.mixedPrecision bfloat16 and model.dtype bfloat16 "
+        "compute in float32 on every worker; DISTFLOW_CPU_BFLOAT16=1 on every worker keeps bfloat16")
+    assert bfloat16_fallback_note(parse_spec(doc), kept, 0, 4) is None
 
 
 def test_native_bfloat16_reads_the_cpu_and_the_override(monkeypatch):
     import torch
 
-    from distflow.engines.fsdp import native_bfloat16
+    from distflow.precision import native_bfloat16
 
     monkeypatch.delenv("DISTFLOW_CPU_BFLOAT16", raising=False)
     assert native_bfloat16(torch.device("cuda", 0)) is True

@@ -149,3 +149,11 @@ def test_validate_says_how_the_asynchronous_mode_splits_the_workers(tmp_path, ca
     assert cli.main(["validate", str(config)]) == 0
     assert capsys.readouterr().out == (f"{config}: valid (6 workers: 4 train, 2 generate in the rollout pool, "
                                        "async.maxStaleness 2; workflow grpo)\n")
+
+
+def test_a_tis_cap_without_tis_is_refused_rather_than_ignored():
+    with pytest.raises(ValueError) as err:
+        _spec(**{"async": {"enable": True, "offPolicyCorrection": "none", "tisCap": 5,
+                           "rolloutPool": {"numNodes": 1}}})
+    assert ("spec.async.tisCap: only async.offPolicyCorrection: tis uses it (it is none); remove async.tisCap "
+            "or set async.offPolicyCorrection: tis") in str(err.value), str(err.value)

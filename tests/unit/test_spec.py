@@ -47,6 +47,14 @@ def test_camel_and_snake_case_are_both_accepted():
     ({**MINIMAL, "trainer": {"totalSteps": True}}, "spec.trainer.totalSteps", "(got True); use a whole number"),
     ({**MINIMAL, "actor": {"lr": False}}, "spec.actor.lr", "(got False); use a number"),
     ({**MINIMAL, "trainer": {"metricsPort": True}}, "spec.trainer.metricsPort", "(got True); use a whole number"),
+    # a section given as a value: name its fields
+    ({**MINIMAL, "async": True}, "spec.async",
+     "expected a section, a mapping of its fields (got True); use e.g. async: {enable: ..."),
+    # YAML 1.1 reads yes/no/on/off as true/false: a choice of words says to quote it
+    ({**MINIMAL, "async": {"offPolicyCorrection": True}}, "spec.async.offPolicyCorrection",
+     "(got True); quote it: YAML reads yes, no, on and off as true and false"),
+    ({**MINIMAL, "async": {"tisCap": 0.5}}, "spec.async.tisCap", "(got 0.5); use a value >= 1"),
+    ({**MINIMAL, "async": {"tisCap": float("inf")}}, "spec.async.tisCap", "use a finite number"),
     # YAML 1.1 reads 1e3 as text: say what to write
     ({**MINIMAL, "trainer": {"totalSteps": "1e3"}}, "spec.trainer.totalSteps",
      "(got '1e3'); use a whole number: 1000 (YAML reads 1e3 as text)"),

@@ -5,8 +5,9 @@ Layout under ``checkpoint.dir`` (a local path, e.g. a PVC, or an fsspec URL such
     step_00000012/           complete checkpoint: its manifest.json lists every file
         .metadata, *.distcp  torch.distributed.checkpoint shards (actor, and critic if any: model + optimizer)
         rank_00000.pt        per-rank RNG state
-        trainer.json         step, dataloader state (global), world size, in-reward KL coefficient, and what
-                             it was made from (distflow.checkpoint_origin: compared before a resume)
+        trainer.json         step, dataloader state (global), world size, in-reward KL coefficient, what
+                             it was made from (distflow.checkpoint_origin: compared before a resume), and
+                             the steps a rollout pool had generated past it (in_flight_steps; distflow.pools)
         manifest.json        written last: size and sha256 of each file above
     step_00000016.tmp/       being written (local storage); ignored by resume, removed by the next save
 
@@ -313,7 +314,8 @@ def _commit(store: _Store, work: str, final: str, step: int, worker, digests: di
     rename. Returns an error message or None."""
     try:
         meta = {"step": step, "loader": worker.loader.state_dict(), "world_size": dist.get_world_size(),
-                "kl_ctrl": worker.kl_ctrl.state_dict(), "made_from": worker.made_from}
+                "kl_ctrl": worker.kl_ctrl.state_dict(), "made_from": worker.made_from,
+                "in_flight_steps": worker.in_flight_steps(step) if hasattr(worker, "in_flight_steps") else 0}
         store.write_bytes(f"{work}/trainer.json", json.dumps(meta).encode())
         manifest = _build_manifest(store, work, step, digests)
         store.write_bytes(f"{work}/{MANIFEST}", json.dumps(manifest, indent=1).encode())
@@ -396,8 +398,18 @@ def newest_trainer_state(root: str | os.PathLike) -> tuple[str, dict] | None:
     store = _Store(root)
     if (name := _newest_complete(store)) is None:
         return None
+    return store.location(name), trainer_state(root, name)
+
+
+def trainer_state(root: str | os.PathLike, name: str) -> dict:
+    """trainer.json of checkpoint ``name`` (``step_N``, e.g. from :func:`choose`).
+
+    Raises:
+        OSError: it cannot be read.
+    """
+    store = _Store(root)
     with store.fs.open(store.path(name, "trainer.json"), "rb") as f:
-        return store.location(name), json.loads(f.read())
+        return json.loads(f.read())
 
 
 def _newest_complete(store: _Store) -> str | None:

@@ -65,7 +65,6 @@ def _load(args) -> JobSpec:
 
 def cmd_run(args) -> int:
     from distflow.launcher import job_name_for, launch_local
-    from distflow.metrics import read_jsonl
 
     spec = _load(args)
     if args.resume and spec.checkpoint.resume != "auto":
@@ -77,14 +76,30 @@ def cmd_run(args) -> int:
         launch_ray(spec, job_name_for(args.config), address, resume=not args.no_resume)
     else:
         launch_local(spec, job_name_for(args.config), resume=not args.no_resume)
+    if (summary := run_summary(spec)) is not None:
+        print(summary)
+    return EXIT_OK
+
+
+def run_summary(spec: JobSpec) -> str | None:
+    """The run's last line, from its metrics.jsonl: the held-out score before and after training,
+    or without a held-out set (``data.eval: null``) the step reached and where its output lies;
+    None when there is no metrics file here (on Ray, rank 0 writes it on its own Ray node: the
+    driver sees it only where ``trainer.logDir`` is shared)."""
+    from distflow.metrics import read_jsonl
+
     metrics = Path(spec.trainer.log_dir) / "metrics.jsonl"
-    # On Ray, rank 0 writes it on its own Ray node: the driver sees it only where logDir is shared.
     records = read_jsonl(metrics) if metrics.is_file() else []
     evals = [r["eval/score"] for r in records if "eval/score" in r]
     if evals:
-        print(f"eval score: before {evals[0]:.3f} -> after {evals[-1]:.3f} "
-              f"({len(evals)} evaluations; metrics in {spec.trainer.log_dir}/metrics.jsonl)")
-    return EXIT_OK
+        return (f"eval score: before {evals[0]:.3f} -> after {evals[-1]:.3f} "
+                f"({len(evals)} evaluations; metrics in {metrics})")
+    steps = [int(r["training/step"]) for r in records if r.get("training/step")]
+    if not steps:
+        return None
+    saved = f", checkpoints in {spec.checkpoint.dir}" if spec.checkpoint.dir else ""
+    return (f"trained to step {max(steps)} of {spec.trainer.total_steps}; metrics in {metrics}{saved} "
+            "(no held-out score: data.eval is not set)")
 
 
 def cmd_plan(args) -> int:

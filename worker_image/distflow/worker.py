@@ -26,7 +26,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from distflow import chaos, checkpoint, process_group, sample_ids
+from distflow import chaos, checkpoint, precision, process_group, sample_ids
 from distflow.resize import ResizeWatch
 from distflow.checkpoint_origin import made_from
 from distflow.coordinator import DataCoordinator
@@ -46,12 +46,7 @@ from distflow.metrics import JsonlWriter, StepMetrics
 from distflow.models import DTYPES, load_tokenizer, model_cache_dir, resolve_model
 from distflow.planner import ROLLOUT, TRAIN, build_plan
 from distflow.spec import JobSpec
-from distflow.spec.defaults import (
-    bfloat16_fallback_note,
-    kv_cache_bytes_per_token,
-    kv_cache_micro_batch_size,
-    resolve_device_defaults,
-)
+from distflow.spec.defaults import kv_cache_bytes_per_token, kv_cache_micro_batch_size
 from distflow.fields import check_stage_output
 from distflow.stages import STAGES, StageContext, StageModels, StageOutput, build_kl_controller
 from distflow.stages.rollout import generate_round, prompt_length, sampling_params
@@ -176,15 +171,12 @@ class DagWorker:
         info = fsdp.select_device(spec.cluster.device, env.device_index)
         self.device = info.device
         self.device_guard = guard_from_environ(self.device)
-        given, self.spec = spec, resolve_device_defaults(spec, self.device.type, fsdp.native_bfloat16(self.device))
-        spec = self.spec
-        if env.rank == 0 and (note := bfloat16_fallback_note(given, spec)):
-            print(f"distflow: {note}", flush=True)
-        if self.device.type == "cuda":
-            fsdp.set_tf32(spec.model.tf32)
         threads = spec.trainer.num_threads or max(1, (os.cpu_count() or 1) // env.local_world_size)
         torch.set_num_threads(threads)
         self._init_world()
+        self.spec = spec = precision.settle(spec, self.device, env.rank, joining=env.join)  # one compute dtype
+        if self.device.type == "cuda":
+            fsdp.set_tf32(spec.model.tf32)
         self.rank = env.rank
         self.rollout_dp_rank = self.plan.layouts[ROLLOUT].dp_rank(env.rank)
         self.step = 0

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager, nullcontext
-import os
 from dataclasses import dataclass
 
 import torch
@@ -63,19 +62,6 @@ def select_device(requested: str, device_index: int) -> DeviceInfo:
         torch.cuda.set_device(device_index)
         return DeviceInfo(torch.device("cuda", torch.cuda.current_device()), backend_for("cuda"))
     return DeviceInfo(torch.device("cpu"), backend_for("cpu"))
-
-
-def native_bfloat16(device: torch.device) -> bool:
-    """Whether ``device`` multiplies bfloat16 in hardware: always on cuda; on a CPU, AVX512-BF16 or
-    AMX (without either, torch emulates bfloat16 matmuls: 0.37 GFLOP/s against 58 for float32 on
-    one AVX2 core, measured 2026-12-07). ``DISTFLOW_CPU_BFLOAT16=1`` answers True (keep bfloat16
-    on any CPU, e.g. to check its numerics)."""
-    if device.type != "cpu" or os.environ.get("DISTFLOW_CPU_BFLOAT16") == "1":
-        return True
-    checks = (getattr(torch.cpu, "_is_avx512_bf16_supported", None), getattr(torch.cpu, "_is_amx_tile_supported", None))
-    if all(check is None for check in checks):  # a torch without these probes: trust the spec
-        return True
-    return any(bool(check()) for check in checks if check is not None)
 
 
 def dp_mesh(device: torch.device, world_size: int, replicate: int = 1) -> DeviceMesh:

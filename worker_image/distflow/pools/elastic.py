@@ -43,7 +43,7 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
-from distflow import process_group
+from distflow import precision, process_group
 from distflow.data.counters import TransferCounters
 from distflow.engines import fsdp
 from distflow.planner import build_plan
@@ -253,8 +253,9 @@ def hand_over(worker) -> None:
     """After a grow, on every rank of the new world (collective): the first rollout rank (a running
     one) gives the joiners the steps trained and the prompt stream's position; then the trainer
     pool syncs the policy into every rollout replica (the joiners' first weights)."""
-    state = [{"step": worker.step, "loader": worker.loader.state_dict()}]
+    state = [{"step": worker.step, "loader": worker.loader.state_dict(), "compute_dtype": worker.spec.model.compute_dtype}]
     dist.broadcast_object_list(state, src=worker.rollout_layout.first_rank)
+    precision.check_joiner(worker.spec.model.compute_dtype, state[0]["compute_dtype"], worker.rank)
     if not worker.trains:
         worker.step = state[0]["step"]
         worker.loader.load_state_dict(state[0]["loader"])

@@ -39,7 +39,7 @@ from dataclasses import replace
 import torch
 import torch.distributed as dist
 
-from distflow import chaos, process_group, sample_ids
+from distflow import chaos, checkpoint, process_group, sample_ids
 from distflow.data.batch import PackedBatch
 from distflow.engines import flex_masks, fsdp
 from distflow.engines.actor import Actor
@@ -254,12 +254,13 @@ class PoolWorker(DagWorker):
             # A rollout worker joining the pool: the world, the step and the policy come from the running ranks.
             start = self.elastic.join(self)  # the steps trained so far; the next iteration is start + s
             return self._iterations(start + self.plan.staleness, start, 0, progress)
-        self._resume("; the samples in flight when it was written are generated again")
+        self._resume()
         start = self.step  # every rank's loader continues at the checkpoint's step (its state)
+        dropped = self._dropped_in_flight(start)
         self.version = start
         self._sync_weights()
         self._report_start(progress, evaluate=self.trains and start == 0)
-        return self._iterations(start, start, self._dropped_in_flight(start), progress)
+        return self._iterations(start, start, dropped, progress)
 
     def _iterations(self, first: int, start: int, dropped: int, progress) -> list[dict[str, float]]:
         """Iterations ``first ..`` of the schedule (see the module's diagram) in a run that started
@@ -321,17 +322,26 @@ class PoolWorker(DagWorker):
         chaos.write_tally()
         return history
 
+    def in_flight_steps(self, step: int) -> int:
+        """Steps the rollout pool has generated (or is generating) past trained step ``step``:
+        ``maxStaleness`` of them, none past ``trainer.totalSteps``. Recorded in each checkpoint."""
+        return max(0, min(self.plan.staleness, self.spec.trainer.total_steps - step))
+
     def _dropped_in_flight(self, start: int) -> int:
-        """Samples a resumed run drops: the steps the rollout pool had generated past the checkpoint
-        (``maxStaleness`` of them, at most the steps left), generated again from its weights."""
+        """Samples a resumed run drops: those of the steps the rollout pool had generated past the
+        checkpoint when it was written (its trainer.json's ``in_flight_steps``; a checkpoint without
+        it: this run's :meth:`in_flight_steps`), generated again from its weights. None at the end of
+        the run that wrote it: a resume that raised ``trainer.totalSteps`` drops nothing."""
         if not start:
             return 0
         spec = self.spec
-        steps = min(self.plan.staleness, spec.trainer.total_steps - start)
+        written = checkpoint.trainer_state(spec.checkpoint.dir, self.resume_from).get("in_flight_steps")
+        steps = self.in_flight_steps(start) if written is None else min(written, self.in_flight_steps(start))
         dropped = steps * spec.data.train_batch_size * spec.rollout.n
         if dropped and self.is_logger:
-            print(f"distflow: {dropped} samples of steps {start + 1}-{start + steps} were in flight (generated, "
-                  "not trained) when the checkpoint was written; they are generated again", flush=True)
+            which = f"step {start + 1}" if steps == 1 else f"steps {start + 1}-{start + steps}"
+            print(f"distflow: {dropped} samples of {which} were in flight (generated, not trained) when the "
+                  "checkpoint was written; they are generated again", flush=True)
         return dropped
 
     def _step_record(self, trained: dict | None, generated: dict, seconds: float, waited: float,

@@ -13,8 +13,8 @@ so a CPU run keeps its behaviour and a GPU run gets what a GPU user expects.
 bfloat16 asked for (``model.mixedPrecision`` or ``model.dtype``) on a CPU that
 has no native bfloat16 (neither AVX512-BF16 nor AMX: torch emulates its
 matmuls, ~150x slower than float32 on an AVX2 core) computes in float32
-instead, and the worker says so (``bfloat16_fallback_note``); the switch
-``DISTFLOW_CPU_BFLOAT16=1`` keeps bfloat16 (``engines.fsdp.native_bfloat16``).
+instead on every worker, and the first worker says so (``distflow.precision``);
+``DISTFLOW_CPU_BFLOAT16=1`` keeps bfloat16.
 The KV-cache estimate (``kv_cache_micro_batch_size``) needs the model's shape
 and the free GPU memory: the worker computes it once its models are loaded.
 """
@@ -64,16 +64,18 @@ def resolve_device_defaults(spec: JobSpec, device_type: str, native_bfloat16: bo
     return spec.model_copy(update={"model": model, "cluster": cluster, "rollout": rollout})
 
 
-def bfloat16_fallback_note(given: JobSpec, resolved: JobSpec) -> str | None:
-    """What ``resolve_device_defaults`` turned from bfloat16 into float32 (a CPU without native
-    bfloat16), as one line for the run's log; None when it kept every bfloat16 asked for."""
+def bfloat16_fallback_note(given: JobSpec, resolved: JobSpec, without: int, workers: int) -> str | None:
+    """What ``resolve_device_defaults`` turned from bfloat16 into float32 because ``without`` of the
+    job's ``workers`` run on a CPU with no native bfloat16, as one line for the run's log; None
+    when it kept every bfloat16 asked for."""
     moved = [f"model.{name} bfloat16" for name, attr in (("mixedPrecision", "mixed_precision"), ("dtype", "dtype"))
              if getattr(given.model, attr) == "bfloat16" and getattr(resolved.model, attr) != "bfloat16"]
     if not moved:
         return None
-    return ("this CPU has no native bfloat16 (AVX512-BF16 or AMX), so bfloat16 matmuls are emulated (~150x "
-            f"slower than float32): {' and '.join(moved)} compute{'s' if len(moved) == 1 else ''} in float32 here; "
-            "DISTFLOW_CPU_BFLOAT16=1 keeps bfloat16")
+    return (f"{without} of {workers} workers run on a CPU with no native bfloat16 (AVX512-BF16 or AMX), where "
+            f"bfloat16 matmuls are emulated (~150x slower than float32): {' and '.join(moved)} "
+            f"compute{'s' if len(moved) == 1 else ''} in float32 on every worker; DISTFLOW_CPU_BFLOAT16=1 "
+            "on every worker keeps bfloat16")
 
 
 def kv_cache_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype_bytes: int) -> int:

@@ -62,6 +62,10 @@ def _format_validation_error(err: ValidationError, root: str) -> list[str]:
             msg = _unknown_field_message(item["loc"], root)
         elif item["type"] == "missing":
             msg = "required field is missing; add it"
+        elif item["type"] == "model_type" and (fields := _known_fields((*item["loc"], ""))):
+            name = str(item["loc"][-1])
+            msg = (f"expected a section, a mapping of its fields (got {item.get('input')!r}); use e.g. "
+                   f"{name}: {{{next(iter(fields))}: ...}} (its fields: {', '.join(fields)})")
         elif "input" in item:
             msg = f"{msg} (got {item['input']!r})"
             if fix := _fix_for(item["type"], item.get("ctx") or {}, item["input"]):
@@ -124,7 +128,7 @@ _BOUNDS = {"greater_than_equal": (">=", "ge"), "greater_than": (">", "gt"),
 _TYPE_FIXES = {"int_parsing": "use a whole number", "int_from_float": "use a whole number",
                "int_type": "use a whole number", "float_parsing": "use a number", "float_type": "use a number",
                "bool_parsing": "use true or false", "bool_type": "use true or false",
-               "string_type": "use a string (quote it in YAML)"}
+               "string_type": "use a string (quote it in YAML)", "finite_number": "use a finite number, e.g. 2"}
 
 
 def _fix_for(error_type: str, ctx: dict, given: Any = None) -> str | None:
@@ -134,6 +138,8 @@ def _fix_for(error_type: str, ctx: dict, given: Any = None) -> str | None:
         op, key = _BOUNDS[error_type]
         return f"use a value {op} {ctx[key]}" if key in ctx else None
     fix = _TYPE_FIXES.get(error_type)
+    if error_type == "literal_error" and isinstance(given, bool):
+        return "quote it: YAML reads yes, no, on and off as true and false"
     if error_type == "int_parsing" and isinstance(given, str):
         try:
             number = float(given)

@@ -44,7 +44,8 @@ class AsyncSpec(SpecBase):
     pi_behaviour the rollout's stale policy that sampled the token (Yao et al. 2025, truncated
     importance sampling; AReaL's decoupled PPO objective). none: train on the stale samples as
     if on-policy."""
-    tis_cap: float = Field(default=2.0, gt=0.0)
-    """Cap of the truncated importance weight (`offPolicyCorrection: tis`)."""
+    tis_cap: float = Field(default=2.0, ge=1.0, allow_inf_nan=False)
+    """Cap of the truncated importance weight (`offPolicyCorrection: tis`), at least 1: below 1
+    it would scale down every on-policy token's weight (a smaller learning rate, not a cap)."""
     rollout_pool: RolloutPoolSpec = Field(default_factory=RolloutPoolSpec)
     """The rollout pool's size and pods."""

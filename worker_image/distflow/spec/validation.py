@@ -113,6 +113,9 @@ def _pool_problems(spec: JobSpec):
     if spec.data_plane.mode == "centralized":
         yield ("dataPlane.mode: centralized routes every edge through rank 0, which trains in the "
                "asynchronous mode; use distributed or async.enable: false")
+    if spec.async_.off_policy_correction != "tis" and "tis_cap" in spec.async_.model_fields_set:
+        yield (f"async.tisCap: only async.offPolicyCorrection: tis uses it (it is {spec.async_.off_policy_correction}); "
+               "remove async.tisCap or set async.offPolicyCorrection: tis")
     if spec.async_.off_policy_correction == "tis" and spec.rollout.tis_imp_ratio_cap is not None:
         yield ("rollout.tisImpRatioCap: the asynchronous mode's correction has its own cap (async.tisCap); "
                "unset rollout.tisImpRatioCap")
