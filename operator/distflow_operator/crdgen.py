@@ -49,7 +49,8 @@ from distflow_operator.podspec import KUEUE_KEYS
 from distflow_operator.render import GANG_METADATA_KEYS, NODE_LABEL_KEYS, OPERATOR_ENV_NAMES
 from distflow_operator.status import JobStatus
 
-DEFAULT_OUTPUT = Path("crds") / f"{CRD_NAME}.yaml"
+DEFAULT_OUTPUTS = (Path("crds") / f"{CRD_NAME}.yaml", Path("helm") / "distflow" / "crds" / f"{CRD_NAME}.yaml")
+"""The CRD and the chart's copy of it (Helm installs a chart's crds/), relative to the repository."""
 HEADER = ("# Generated from distflow.spec by `python -m distflow_operator.crdgen`; do not edit.\n"
           "# tests/unit/test_crd.py fails when this file is stale.\n")
 
@@ -345,20 +346,23 @@ def render_crd_yaml() -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m distflow_operator.crdgen", description=__doc__.splitlines()[0])
-    parser.add_argument("--output", type=Path, default=DEFAULT_OUTPUT, help=f"default: {DEFAULT_OUTPUT}")
-    parser.add_argument("--check", action="store_true", help="exit 1 if --output differs from the model")
+    parser.add_argument("--output", type=Path, action="append",
+                        help=f"a file to write (repeatable); default: {' and '.join(map(str, DEFAULT_OUTPUTS))}")
+    parser.add_argument("--check", action="store_true", help="exit 1 if an --output differs from the model")
     args = parser.parse_args(argv)
     text = render_crd_yaml()
+    outputs = args.output or list(DEFAULT_OUTPUTS)
     if args.check:
-        current = args.output.read_text() if args.output.exists() else ""
-        if current != text:
-            print(f"{args.output} is stale; run: python -m distflow_operator.crdgen", file=sys.stderr)
-            return 1
-        print(f"{args.output} is up to date")
-        return 0
-    args.output.parent.mkdir(parents=True, exist_ok=True)
-    args.output.write_text(text)
-    print(f"wrote {args.output}")
+        stale = [out for out in outputs if (out.read_text() if out.exists() else "") != text]
+        for out in stale:
+            print(f"{out} is stale; run: python -m distflow_operator.crdgen", file=sys.stderr)
+        if not stale:
+            print(f"{' and '.join(map(str, outputs))} up to date")
+        return 1 if stale else 0
+    for out in outputs:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(text)
+        print(f"wrote {out}")
     return 0
 
 

@@ -55,6 +55,15 @@ def test_check_mode_fails_on_a_stale_file_and_passes_after_writing(tmp_path, cap
     assert yaml.safe_load(out.read_text())["metadata"]["name"] == "rlposttrainjobs.distflow.io"
 
 
+def test_by_default_it_writes_the_crd_and_the_charts_copy(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert crdgen.main([]) == 0
+    crd, chart = tmp_path / "crds" / CRD_FILE.name, tmp_path / "helm" / "distflow" / "crds" / CRD_FILE.name
+    assert crd.read_text() == chart.read_text() == crdgen.render_crd_yaml()
+    chart.write_text("stale")
+    assert crdgen.main(["--check"]) == 1
+
+
 def test_schema_is_structural(crd):
     root = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
     for path, node in _walk(root):

