@@ -471,8 +471,7 @@ def load(root: str | os.PathLike, name: str | None, worker) -> int:
     if name is None:
         return 0
     store = _Store(root)
-    with store.fs.open(store.path(name, "trainer.json"), "rb") as f:
-        meta = json.loads(f.read())
+    meta = trainer_state(root, name)
     if _trains(worker):
         state = _train_state(worker)
         problems = _unfilled(store, name, state, worker)
