@@ -17,10 +17,11 @@ pytestmark = [pytest.mark.vllm, pytest.mark.timeout(3900)]
 TIER_TIMEOUT_S = 3600
 """The default tier (`-m "not long"`) took 585 s of a 47-min CI run on 2 cores before the 8-step
 learning run and the asynchronous vLLM run moved to `long`: now the engine's parity checks, a
-2-step colocated GRPO run (every step synced, log-probs close to the actor's), the rollout pool's
-isolated-engine syncs and the colocated multi-turn rounds. Its `long` tests (those two runs, the
-isolated engine's multi-turn rounds, the calculator example end to end, a 2-worker uneven-turns
-run; ~12 min more) are opt-in: `.venv/bin/python-vllm -m pytest -m long tests/vllm`. The limit is
+2-step colocated GRPO run (every step synced, log-probs close to the actor's) and the colocated
+multi-turn rounds (406 s on 2 AVX2 cores with the rollout pool's isolated-engine syncs, which then
+moved to `long` too). Its `long` tests (those two runs, the isolated engine's syncs and multi-turn
+rounds, the calculator example end to end, a 2-worker uneven-turns run; ~14 min more) are opt-in:
+`.venv/bin/python-vllm -m pytest -m long tests/vllm`. The limit is
 generous for a loaded machine; the tier's slowest phases are listed under "figures"."""
 
 REPO = Path(__file__).resolve().parents[1]

@@ -36,16 +36,34 @@ labelled ``distflow.io/attempt=a``. Decisions, in order:
    (``succeededRanks``) when the pod garbage collector removes its pod.
 7. A resize: ``cluster.numNodes`` (``kubectl scale``) differs from the size
    the current attempt's pods were created for (``attemptNodes`` in the
-   status). While every node pod of the attempt runs, the operator writes the
-   new size into the ConfigMap key ``resize`` (``decision.resize_request``)
-   and waits: the workers save a checkpoint at their next step boundary and
-   exit with code 3 (``EXIT_RESIZE``). The first such exit, while a request
-   is pending, ends the attempt: the other pods are deleted (the checkpoint is
-   complete before any worker exits), and attempt a+1 starts at the new size
-   at once, counting no restart and no disruption, with no backoff; the
-   runtime resumes the checkpoint at the new world size. A gang that is not
-   running yet (a pod Pending or missing) is replaced at the new size
-   directly. Failures before the stop take the ordinary path of 5 (the
+   status). A gang that is not running yet (a pod Pending or missing) is
+   replaced at the new size directly (attempt a+1, counting no restart).
+   In place (a synchronous job, ``async.enable`` false): while every node pod
+   of the attempt runs, the operator writes ``{"numNodes": N, "inPlace": true}``
+   into the ConfigMap key ``resize`` with the ConfigMap's spec at the new size,
+   in one update, and the gang resizes in the running attempt: a grow creates
+   the pods of ranks size..N-1 with ``DISTFLOW_JOIN=1`` and ``PET_NNODES=N``
+   and is done when all N run; in a shrink the ranks >= N exit with code 4
+   (``EXIT_LEFT_POOL``) at a step boundary, their pods are deleted, and it is
+   done when they are gone. The surviving pods keep running, nothing is
+   counted; the request stays in the ConfigMap at the attempt's size until the
+   next attempt (a rank that reads it late re-forms with the others). A size
+   set back before it is done withdraws it (joiners deleted, the request at
+   the attempt's size; a shrink whose ranks began to leave is done first); a
+   third size waits until the one in flight is done (a grow whose joiners are
+   not all created is withdrawn instead: they would be created for that size).
+   Exit code 3 (``EXIT_RESIZE``) during or after it, in the attempt, is a
+   worker image that stops instead: the stop path below.
+   Stop and restart (an asynchronous job whose trainer nodes change, or a
+   status without ``attemptNodes`` from an older operator): while every node
+   pod of the attempt runs, the operator writes ``{"numNodes": N}`` into the
+   key ``resize`` (``decision.resize_request``) and waits: the workers save a
+   checkpoint at their next step boundary and exit with code 3. The first such
+   exit, while a request is pending, ends the attempt: the other pods are
+   deleted (the checkpoint is complete before any worker exits), and attempt
+   a+1 starts at the spec's size at once, counting no restart and no
+   disruption, with no backoff; the runtime resumes the checkpoint at the new
+   world size. Failures before the stop take the ordinary path of 5 (the
    restart is at the new size; the request is dropped). A size set back
    before the stop withdraws the request. Exit code 3 without a pending
    request (a request withdrawn too late) restarts the gang like an
@@ -53,24 +71,22 @@ labelled ``distflow.io/attempt=a``. Decisions, in order:
    an ``exitCodeRules`` entry names code 3.
    ``status.resizing`` holds the resize in flight; ``status.lastResize`` the
    last one done, with when it was requested, when the first worker stopped,
-   when the new attempt's pods all ran, and that downtime in seconds. A size
+   when the new attempt's pods all ran, and that downtime in seconds (in
+   place: ``inPlace``, no stop, seconds from the request until done). A size
    the operator cannot read (the spec's own checks refuse it; the API
    server's CEL rules normally do first) is held as in 2, with reason
    ResizeRefused: the job keeps running at its size (a request made before
    is withdrawn: the operator could not start workers that stopped for it).
-   In place (async.enable): a spec that changes ``async.rolloutPool.numNodes``
-   and ``cluster.numNodes`` by the same amount (the trainer nodes as the
-   attempt's, ``attemptRolloutNodes`` in the status) while every node pod of
-   the attempt runs resizes the rollout pool in the running attempt
-   (``distflow.pools.elastic``): the request names the rollout nodes and the
-   ConfigMap's spec is rewritten at the new size with it; a grow creates the
-   new ranks' pods with ``DISTFLOW_JOIN=1`` and is done when they all run; a
-   shrink is done when the last ranks' pods, which exit with code 4
-   (``EXIT_LEFT_POOL``) and are deleted then, are gone. Nothing else is
-   touched and nothing is counted; the request stays in the ConfigMap (at the
-   sizes the attempt runs at) until the next attempt. Exit code 4 of a rank
-   no in-place shrink removes is a failure; any failure, during or after, is
-   a gang restart at the spec's size (the in-place resize in flight ends).
+   The rollout pool in place (async.enable): a spec that changes
+   ``async.rolloutPool.numNodes`` and ``cluster.numNodes`` by the same amount
+   (the trainer nodes as the attempt's, ``attemptRolloutNodes`` in the status)
+   while every node pod of the attempt runs resizes the rollout pool in the
+   running attempt (``distflow.pools.elastic``) as above, the request naming
+   the rollout nodes (``{"numNodes": N, "rolloutNodes": R}``); it is not
+   withdrawn, and exit code 3 is no stop for it.
+   Exit code 4 of a rank no in-place shrink removes is a failure; any failure,
+   during or after an in-place resize, is a gang restart at the spec's size
+   (the in-place resize in flight ends).
 8. Otherwise pods of older attempts are deleted first, then, once they are gone
    and the backoff has passed, missing ranks are created. A pod still
    Terminating ``terminatingTimeoutSeconds`` after its grace period (its node
@@ -167,8 +183,9 @@ class Resize:
     resumed, and kept: recomputed from the status' whole-second times it would change. In place:
     seconds from the request to the new rollout pods all running (grow) or the leaving pods gone."""
     in_place: bool = False
-    """Only the rollout pool changed size, in the running attempt (``distflow.pools.elastic``): the
-    trainer pods kept running, nothing stopped (``stopped_at`` stays None)."""
+    """Resized in the running attempt, nothing stopped (``stopped_at`` stays None): the rollout pool
+    alone (async.enable; ``distflow.pools.elastic``), the trainer pods kept running; or, for a
+    synchronous job, the whole gang, its surviving pods kept running."""
 
 
 @dataclass(frozen=True)
@@ -190,7 +207,8 @@ class RunState:
     last_failure: NodeFailure | None = None
     attempt_nodes: int | None = None
     """Nodes the current attempt's pods were created for; None: not recorded (an older operator's
-    status: then the pods' PET_NNODES, else spec.cluster.numNodes). An in-place resize changes it."""
+    status: then the pods' PET_NNODES, else spec.cluster.numNodes, and a resize is never in place).
+    An in-place resize changes it."""
     attempt_rollout_nodes: int | None = None
     """Rollout pool nodes of the current attempt (async.enable); None: no pools, or not recorded
     (an older operator's status: then a resize is never in place)."""
@@ -258,8 +276,11 @@ class Decision:
     resize_rollout_nodes: int | None = None
     """With ``resize_request``: the rollout pool's size the request names (an in-place resize of the
     rollout pool; the ConfigMap's spec is rewritten at the new size with it); None: the whole gang's."""
+    resize_in_place: bool = False
+    """With ``resize_request``: the whole gang resizes in place (a synchronous job; ``"inPlace": true``
+    in the request, the ConfigMap's spec rewritten at the new size with it); False: the workers stop."""
     joining: bool = False
-    """The pods of ``create_ranks`` join the running attempt's rollout pool (``DISTFLOW_JOIN=1``)."""
+    """The pods of ``create_ranks`` join the running attempt (``DISTFLOW_JOIN=1``): an in-place grow."""
 
 
 def run_state(status: Mapping[str, Any], pods: Sequence[PodView]) -> RunState:
@@ -525,15 +546,26 @@ def _rollout_nodes(job: JobView) -> int | None:
 
 
 def _in_place_now(state: RunState) -> Resize | None:
-    """The in-place resize of the rollout pool in flight in the current attempt, if any."""
+    """The in-place resize (of the rollout pool or the whole gang) in flight in the current attempt, if any."""
     resize = state.resizing
     return resize if resize is not None and resize.in_place and resize.attempt == state.attempt else None
 
 
 def _had_in_place(state: RunState) -> bool:
-    """Whether the current attempt's rollout pool was resized in place (in flight or done)."""
+    """Whether the current attempt was resized in place (in flight or done)."""
     done = state.last_resize
     return _in_place_now(state) is not None or (done is not None and done.in_place and done.attempt == state.attempt)
+
+
+def _gang_in_place(job: JobView, state: RunState) -> Resize | None:
+    """The in-place resize of a synchronous job's whole gang in flight in the current attempt, else the
+    one done in it; None when there is neither (an asynchronous job's is the rollout pool's)."""
+    if job.spec.async_.enable:
+        return None
+    done = state.last_resize
+    if done is None or not done.in_place or done.attempt != state.attempt:
+        done = None
+    return _in_place_now(state) or done
 
 
 def _settle_in_place(state: RunState, current: Sequence[PodView], now: datetime) -> RunState:
@@ -550,43 +582,65 @@ def _settle_in_place(state: RunState, current: Sequence[PodView], now: datetime)
     if not done:
         return state
     cost = round((now - resize.requested_at).total_seconds(), 3)
-    rollout = (state.attempt_rollout_nodes or 0) + resize.to_nodes - resize.from_nodes
+    rollout = state.attempt_rollout_nodes
+    if rollout is not None:
+        rollout += resize.to_nodes - resize.from_nodes
     return replace(state, resizing=None, attempt_nodes=resize.to_nodes, attempt_rollout_nodes=rollout,
                    last_resize=replace(resize, resumed_at=now, cost_seconds=cost))
 
 
-def _left_pool(current: Sequence[PodView], state: RunState) -> list[PodView]:
-    """Pods of the ranks an in-place shrink in flight removes whose node exited with EXIT_LEFT_POOL:
-    they left the rollout pool as asked, which is no failure."""
+def _outside(current: Sequence[PodView], state: RunState) -> list[PodView]:
+    """Pods of the attempt outside its gang, whose end is no failure: of the ranks an in-place shrink
+    in flight removes, once their node exited with EXIT_LEFT_POOL (they left as asked), and, with no
+    in-place resize in flight, of ranks past the attempt's size (a withdrawn grow's joiners, deleted)."""
     resize = _in_place_now(state)
-    if resize is None or resize.to_nodes >= resize.from_nodes:
+    if resize is None:
+        size = state.attempt_nodes
+        return [] if size is None else [p for p in current if p.rank is not None and p.rank >= size]
+    if resize.to_nodes >= resize.from_nodes:
         return []
     return [p for p in current if p.rank is not None and p.rank >= resize.to_nodes
             and p.phase == "Failed" and p.exit_code == EXIT_LEFT_POOL]
 
 
 def _departed(job: JobView, state: RunState, lost: Collection[str]) -> set[str]:
-    """Lost pod names of ranks an in-place shrink of this attempt removed (they are gone as asked)."""
-    if not _had_in_place(state):
-        return set()
+    """Lost pod names of ranks outside the attempt's gang: ranks an in-place shrink removed, joiners
+    of a withdrawn in-place grow (they are gone as asked)."""
     resize = _in_place_now(state)
-    size = max(resize.from_nodes, resize.to_nodes) if resize else state.attempt_nodes or 0
+    size = max(resize.from_nodes, resize.to_nodes) if resize else state.attempt_nodes
+    if size is None:
+        return set()
     kept = {pod_name(job.name, r) for r in range(size)}
     return {name for name in lost if name not in kept}
 
 
+def _in_place_request(state: RunState, num_nodes: int) -> dict[str, Any]:
+    """The Decision fields of the current attempt's in-place request for ``num_nodes`` nodes: the
+    rollout pool's (the trainer nodes kept) when the attempt has one, else the whole gang's (a
+    synchronous job: an asynchronous one is resized in place only with its rollout nodes recorded)."""
+    if state.attempt_rollout_nodes is None:
+        return {"resize_request": num_nodes, "resize_in_place": True}
+    rollout = state.attempt_rollout_nodes + num_nodes - (state.attempt_nodes or 0)
+    return {"resize_request": num_nodes, "resize_rollout_nodes": rollout}
+
+
 def _in_place(job: JobView, current: Sequence[PodView], state: RunState, left: Sequence[PodView],
               now: datetime) -> Decision | None:
-    """The rollout pool resized alone (async.enable; ``distflow.pools.elastic``): request it, create
-    the joining pods (grow), delete the pods that left (shrink); None when that is not the case."""
+    """The running attempt resized in place: a synchronous job's whole gang, or an asynchronous job's
+    rollout pool alone (``distflow.pools.elastic``). Request it, create the joining pods (grow),
+    delete the pods that left (shrink), withdraw a whole gang's the spec no longer asks for; None when
+    that is not the case."""
     resize = _in_place_now(state)
     if resize is None:
         resize = _start_in_place(job, current, state, now)
         if resize is None:
             return None
         state = replace(state, resizing=resize)
-    rollout = (state.attempt_rollout_nodes or 0) + resize.to_nodes - resize.from_nodes
-    request = {"resize_request": resize.to_nodes, "resize_rollout_nodes": rollout}
+    elif _withdrawn(job, current, resize):
+        state = replace(state, resizing=None)
+        beyond = tuple(p for p in current if p.rank is not None and p.rank >= resize.from_nodes and not p.deleting)
+        return Decision(state, delete_pods=beyond, **_in_place_request(state, resize.from_nodes))
+    request = _in_place_request(state, resize.to_nodes)
     if resize.to_nodes > resize.from_nodes:
         present = {p.rank for p in current if not p.deleting}
         missing = tuple(r for r in range(resize.from_nodes, resize.to_nodes) if r not in present)
@@ -595,17 +649,37 @@ def _in_place(job: JobView, current: Sequence[PodView], state: RunState, left: S
 
 
 def _start_in_place(job: JobView, current: Sequence[PodView], state: RunState, now: datetime) -> Resize | None:
-    """A new in-place resize when the spec changes the rollout pool and cluster.numNodes by the same
-    amount while the whole gang runs; None otherwise (then any size change is the whole gang's)."""
-    size, rollout = state.attempt_nodes, state.attempt_rollout_nodes
-    num_nodes, wanted = job.spec.cluster.num_nodes, _rollout_nodes(job)
-    if size is None or rollout is None or wanted is None or num_nodes == size or state.succeeded_ranks:
+    """A new in-place resize while the whole gang runs: a synchronous job's (with the hf rollout
+    engine) to any new cluster.numNodes; an asynchronous job's when the spec changes the rollout pool and
+    cluster.numNodes by the same amount. None otherwise (then a size change stops the gang)."""
+    size, num_nodes = state.attempt_nodes, job.spec.cluster.num_nodes
+    if size is None or num_nodes == size or state.succeeded_ranks or state.resizing is not None:
         return None
-    if state.resizing is not None or num_nodes - wanted != size - rollout:
+    if job.spec.async_.enable:
+        rollout = state.attempt_rollout_nodes
+        if rollout is None or num_nodes - _rollout_nodes(job) != size - rollout:
+            return None
+    elif job.spec.rollout.engine != "hf":  # a colocated vLLM engine's gang stops (distflow.gang_resize)
         return None
     if len(current) != size or any(p.phase != "Running" or p.deleting for p in current):
         return None
     return Resize(size, num_nodes, now, attempt=state.attempt, in_place=True)
+
+
+def _withdrawn(job: JobView, current: Sequence[PodView], resize: Resize) -> bool:
+    """Whether a synchronous job's in-place resize in flight is withdrawn: the spec's size is the
+    attempt's again, and, for a shrink, no leaving rank has left yet (a shrink the workers carried out
+    is done first; the grow back is the next resize). A grow whose joiners are not all created is
+    withdrawn for a third size too: they would be created for that size, not the requested one."""
+    if job.spec.async_.enable:
+        return False
+    num_nodes = job.spec.cluster.num_nodes
+    beyond = [p for p in current if p.rank is not None and p.rank >= min(resize.from_nodes, resize.to_nodes)]
+    if resize.to_nodes > resize.from_nodes:
+        created = len({p.rank for p in beyond}) == resize.to_nodes - resize.from_nodes
+        return num_nodes == resize.from_nodes or (num_nodes != resize.to_nodes and not created)
+    return (num_nodes == resize.from_nodes and len(beyond) == resize.from_nodes - resize.to_nodes
+            and all(p.phase == "Running" and not p.deleting for p in beyond))
 
 
 def _keep_request(decision: Decision) -> Decision:
@@ -614,21 +688,26 @@ def _keep_request(decision: Decision) -> Decision:
     state = decision.state
     if decision.resize_request is not None or decision.restart or not _had_in_place(state):
         return decision
-    return replace(decision, resize_request=state.attempt_nodes, resize_rollout_nodes=state.attempt_rollout_nodes)
+    return replace(decision, **_in_place_request(state, state.attempt_nodes))
 
 
 def _resize_stop(job: JobView, pods: Sequence[PodView], current: Sequence[PodView], state: RunState,
                  now: datetime) -> Decision | None:
-    """A worker exited with EXIT_RESIZE while a resize is requested: the new attempt at the spec's size."""
-    resize = state.resizing
+    """A worker exited with EXIT_RESIZE while a resize is requested: the new attempt at the spec's size.
+    During or after an in-place resize of a synchronous job's gang, that is a worker image that
+    stops instead (one without in-place resize): it takes the same path."""
+    pending = state.resizing if state.resizing is not None and state.resizing.attempt is None else None
+    resize = pending or _gang_in_place(job, state)
     stopped = sorted(p.name for p in current if p.phase == "Failed" and p.exit_code == EXIT_RESIZE)
-    if resize is None or resize.attempt is not None or not stopped:
+    if resize is None or not stopped:
         return None
+    instead = " instead of resizing in place (a worker image without it)" if resize.in_place else ""
     num_nodes = job.spec.cluster.num_nodes
-    resize = replace(resize, to_nodes=num_nodes, stopped_at=now, attempt=state.attempt + 1)
+    resize = replace(resize, to_nodes=num_nodes, stopped_at=now, resumed_at=None, attempt=state.attempt + 1,
+                     cost_seconds=None, in_place=False)
     state = _new_attempt(state, resizing=resize)
     return Decision(state, restart=Outcome("Restarting", "Resizing", (
-        f"node pod {stopped[0]} stopped at a step boundary for a resize from {resize.from_nodes} to "
+        f"node pod {stopped[0]} stopped at a step boundary{instead} for a resize from {resize.from_nodes} to "
         f"{num_nodes} nodes (checkpoint saved); starting attempt {state.attempt} at {num_nodes} nodes "
         "(not a restart)")), delete_pods=tuple(p for p in pods if not p.deleting))
 
@@ -644,6 +723,11 @@ def _resize(job: JobView, pods: Sequence[PodView], current: Sequence[PodView], s
         # Nothing to resize, an attempt not created yet (it starts at the spec's size), or ranks
         # that already finished training.
         return None
+    if beyond := [p for p in current if p.rank is not None and p.rank >= size]:
+        # A withdrawn in-place grow's joiners: the next resize starts in place once they are gone.
+        stuck, stuck_in = stuck_terminating(job, [p for p in beyond if p.deleting], now)
+        return Decision(state, delete_pods=tuple(p for p in beyond if not p.deleting), force_delete_pods=stuck,
+                        requeue_after=stuck_in)
     if len(current) < size or any(p.phase != "Running" for p in current):
         resize = Resize(size, num_nodes, pending.requested_at if pending else now, now, attempt=state.attempt + 1)
         state = _new_attempt(state, resizing=resize)
@@ -695,7 +779,7 @@ def decide(job: JobView, pods: Sequence[PodView], now: datetime, lost: Collectio
     state = _settle(job, _observe(state, current, now), current, now)
     if stop := _resize_stop(job, pods, current, state, now):
         return stop
-    left = _left_pool(current, state)
+    left = _outside(current, state)
     failures = _failures(job, [p for p in current if p not in left], state, now,
                          set(lost) - _departed(job, state, lost), disrupted)
     fatal = next((f for f in failures if f[0] == "FailJob"), None)
@@ -708,9 +792,9 @@ def decide(job: JobView, pods: Sequence[PodView], now: datetime, lost: Collectio
         counted = [f for f in failures if f[0] == "Count"]
         _, why, failure = (counted or failures)[0]
         return _restart(job, pods, replace(state, last_failure=failure), now, why, counted=bool(counted))
-    if len(state.succeeded_ranks) == job.spec.cluster.num_nodes:
+    if done := _gang_succeeded(job, state):
         return _finish(job, pods, state, now, Outcome(
-            "Succeeded", "Completed", f"all {len(state.succeeded_ranks)} nodes exited 0 (attempt {state.attempt})"))
+            "Succeeded", "Completed", f"all {done} nodes exited 0 (attempt {state.attempt})"))
     if resize := _in_place(job, current, state, left, now) or _resize(job, pods, current, state, now):
         return replace(resize, requeue_after=_min(resize.requeue_after, deadline_left))
     decision = _keep_request(_advance(job, pods, state, now, deadline_left))
@@ -718,6 +802,17 @@ def decide(job: JobView, pods: Sequence[PodView], now: datetime, lost: Collectio
         decision = _hold_refused(decision, refused, refused_left, rejected, now)
     grace_left = _grace_left(state, job, now)
     return replace(decision, requeue_after=_min(decision.requeue_after, grace_left)) if grace_left else decision
+
+
+def _gang_succeeded(job: JobView, state: RunState) -> int:
+    """The nodes of a gang whose every rank exited 0, or 0 while one has not: the spec's, or, with an
+    in-place resize in flight, the attempt's own (the gang trained its last step before it re-formed:
+    a shrink's leaving ranks exited 0 too, a grow's new pods never joined; the finish deletes those
+    still running)."""
+    sizes = [job.spec.cluster.num_nodes]
+    if _in_place_now(state) is not None and state.attempt_nodes:
+        sizes.append(state.attempt_nodes)
+    return max((n for n in sizes if state.succeeded_ranks >= set(range(n))), default=0)
 
 
 def _failures(job: JobView, current: Sequence[PodView], state: RunState, now: datetime,

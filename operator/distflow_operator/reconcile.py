@@ -81,6 +81,9 @@ class _JobMemory:
     seen_attempt: int = 0
     seen: dict[str, str] = field(default_factory=dict)
     """uid -> name of the pods of seen_attempt observed so far: one that vanishes was lost."""
+    deleted: set[str] = field(default_factory=set)
+    """uids of pods of seen_attempt the operator deleted itself (an in-place shrink's leaving ranks, a
+    withdrawn grow's joiners): their going is no loss, even while a new pod of the same name is on its way."""
     progress: dict[str, Any] | None = None
     """Last progress scraped from node 0."""
     resource_version: str | None = None
@@ -93,12 +96,12 @@ class _JobMemory:
     """The request last written to the ConfigMap key ``resize`` (None: none, or removed since)."""
 
     def lost(self, attempt: int, pods: Iterable[PodView]) -> dict[str, str]:
-        """uid -> name of the pods of ``attempt`` seen before and gone now."""
+        """uid -> name of the pods of ``attempt`` seen before and gone now, not deleted by the operator."""
         present = {p.uid: p.name for p in pods if p.attempt == attempt}
         if attempt != self.seen_attempt:
-            self.seen_attempt, self.seen = attempt, {}
+            self.seen_attempt, self.seen, self.deleted = attempt, {}, set()
         self.seen.update(present)
-        return {uid: name for uid, name in self.seen.items() if uid not in present}
+        return {uid: name for uid, name in self.seen.items() if uid not in present and uid not in self.deleted}
 
 
 @dataclass
@@ -289,9 +292,11 @@ class Reconciler:
         Raises:
             KubeApiError, ChildConflict: anything else; the pass is retried with backoff.
         """
-        request = (resize_request_value(decision.resize_request, decision.resize_rollout_nodes)
+        request = (resize_request_value(decision.resize_request, decision.resize_rollout_nodes,
+                                        decision.resize_in_place)
                    if decision.resize_request is not None else None)
-        in_place = request if decision.resize_rollout_nodes is not None else None
+        in_place = request if decision.resize_rollout_nodes is not None or decision.resize_in_place else None
+        memory.deleted.update(p.uid for p in decision.delete_pods)
         try:
             await self._apply(job, decision, in_place)
             if decision.create_ranks:
@@ -316,7 +321,8 @@ class Reconciler:
 
     async def _request_resize(self, job: JobView, memory: _JobMemory, value: str | None, in_place: bool) -> None:
         """Write (or withdraw) the ConfigMap's resize request when it differs from what was written; an
-        in-place request of the rollout pool goes with the spec at the new size, in one update."""
+        in-place request (of the rollout pool or the whole gang) goes with the spec at the new size, in
+        one update."""
         if value == memory.resize_request:
             return
         if in_place:
@@ -381,9 +387,9 @@ class Reconciler:
         pods = [build_node_pod(spec, owner, rank, attempt, decision.joining) for rank in decision.create_ranks]
         created = await asyncio.gather(*(self.call(self._api.create, pod) for pod in pods))
         if any(created):
-            joining = " joining the rollout pool" if decision.joining else ""
+            joining = ", joining its running gang (an in-place resize)" if decision.joining else ""
             await self._post_events(job, [("Normal", "CreatedNodePods",
-                                           f"created {sum(created)} node pods{joining} for attempt {attempt}")])
+                                           f"created {sum(created)} node pods for attempt {attempt}{joining}")])
 
     # -- background loops ------------------------------------------------------------------
 

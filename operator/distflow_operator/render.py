@@ -184,7 +184,8 @@ def build_config_map(spec: JobSpec, owner: JobRef, resize_request: str | None = 
     """ConfigMap ``<job>-config`` holding the spec as ``spec.yaml``: only what differs from the defaults,
     so that a worker image of the previous release reads it (the version-skew contract). With
     ``resize_request`` (:func:`resize_request_value`), the key ``resize`` holds it too: an in-place
-    resize of the rollout pool writes the spec at the new size and the request in one update."""
+    resize (of the rollout pool or the whole gang) writes the spec at the new size and the request in
+    one update."""
     text = yaml.safe_dump(render_spec_document(spec), sort_keys=False)
     data = {SPEC_FILE: text} | ({RESIZE_KEY: resize_request} if resize_request is not None else {})
     return {"apiVersion": "v1", "kind": "ConfigMap",
@@ -192,13 +193,17 @@ def build_config_map(spec: JobSpec, owner: JobRef, resize_request: str | None = 
             "data": data}
 
 
-def resize_request_value(num_nodes: int, rollout_nodes: int | None = None) -> str:
-    """The ConfigMap key ``resize``'s value asking the workers to stop for ``num_nodes`` nodes, or,
-    with ``rollout_nodes``, to resize the rollout pool in place to it (``distflow.resize`` reads it
-    at every step boundary)."""
-    if rollout_nodes is None:
-        return json.dumps({"numNodes": num_nodes})
-    return json.dumps({"numNodes": num_nodes, "rolloutNodes": rollout_nodes})
+def resize_request_value(num_nodes: int, rollout_nodes: int | None = None, in_place: bool = False) -> str:
+    """The ConfigMap key ``resize``'s value asking the workers to stop for ``num_nodes`` nodes; with
+    ``rollout_nodes``, to resize the rollout pool in place to it; with ``in_place`` (a synchronous job),
+    to resize the whole gang in place to ``num_nodes`` (``{"numNodes": N, "inPlace": true}``: new ranks
+    join, the last ranks leave). ``distflow.resize`` reads it at every step boundary."""
+    assert rollout_nodes is None or not in_place, "an in-place request names the rollout pool or the gang"
+    if rollout_nodes is not None:
+        return json.dumps({"numNodes": num_nodes, "rolloutNodes": rollout_nodes})
+    if in_place:
+        return json.dumps({"numNodes": num_nodes, "inPlace": True})
+    return json.dumps({"numNodes": num_nodes})
 
 
 def build_headless_service(spec: JobSpec, owner: JobRef) -> dict[str, Any]:
@@ -406,8 +411,8 @@ def _pod_metadata(spec: JobSpec, owner: JobRef, rank: int, attempt: int, pool: N
 
 def build_node_pod(spec: JobSpec, owner: JobRef, rank: int, attempt: int, joining: bool = False) -> dict[str, Any]:
     """Pod ``<job>-node-<rank>`` of gang attempt ``attempt`` (1-based), in the pool of its rank.
-    ``joining``: the node joins the running attempt's rollout pool (``DISTFLOW_JOIN=1``; an
-    in-place grow, ``distflow.pools.elastic``).
+    ``joining``: the node joins the running attempt (``DISTFLOW_JOIN=1``): an in-place grow of the
+    rollout pool (``distflow.pools.elastic``) or of a synchronous job's whole gang.
 
     Raises:
         DistflowConfigError: spec.template sets an operator env name, a reserved

@@ -19,7 +19,9 @@ stay the gang's: a failure in either pool restarts every pod (policy.py).
 
 While a resize is asked for (``resizing``; policy.py), the gang still runs at
 its attempt's size (``attemptNodes``): phase and Ready count against that
-size, ``desiredNodes`` is already the spec's new one.
+size, ``desiredNodes`` is already the spec's new one. During an in-place
+resize the pods that keep running count (not a grow's joiners, nor a
+shrink's leaving ranks).
 
 VersionSkew is True when the operator ignores fields it does not know
 (a CRD newer than the operator) or cannot read a started job's spec at all.
@@ -119,8 +121,9 @@ class ResizeStatus(_Status):
     """Seconds from stoppedAt to resumedAt: the gang's downtime as the operator sees it (model
     loading and the first step after come on top). In place: from requestedAt to resumedAt."""
     in_place: bool | None = None
-    """True: only the rollout pool changed size (async.enable), in the running attempt; the trainer
-    pods kept training and nothing stopped."""
+    """True: resized in the running attempt, nothing stopped: the rollout pool alone (async.enable),
+    the trainer pods kept training; or a synchronous job's whole gang, its surviving pods kept running
+    (new ranks joined, leaving ranks exited 4)."""
 
 
 class PoolStatus(_Status):
@@ -320,14 +323,18 @@ def compute_status(job: JobView, pods: Sequence[PodView], decision: Decision, no
         return held
     desired = job.spec.cluster.num_nodes if job.spec else 0
     current = [p for p in pods if p.attempt == state.attempt and not p.deleting]
+    # While a resize is asked for, the gang runs at its attempt's size, not yet at the spec's.
+    size = state.attempt_nodes if state.attempt_nodes is not None else desired
+    in_place = state.resizing is not None and state.resizing.in_place and state.resizing.attempt == state.attempt
+    if state.attempt_nodes is not None and not in_place:
+        # Pods past the attempt's size (a withdrawn in-place grow's joiners, being deleted) are not the gang's.
+        current = [p for p in current if p.rank is None or p.rank < size]
     # A rank that exited 0 counts as running even once the pod garbage collector has removed its pod.
     collected = len(state.succeeded_ranks - {p.rank for p in current})
     running = sum(p.phase in ("Running", "Succeeded") for p in current) + collected
     scheduled = sum(p.scheduled or p.phase != "Pending" for p in current) + collected
     ready = sum(p.ready for p in current)
-    # While a resize is asked for, the gang runs at its attempt's size, not yet at the spec's.
-    size = state.attempt_nodes if state.attempt_nodes is not None else desired
-    if state.resizing is not None and state.resizing.in_place and state.resizing.attempt == state.attempt:
+    if in_place:
         # The pods that keep running: a shrink's leaving pods and a grow's joiners are not counted yet.
         size = min(state.resizing.from_nodes, state.resizing.to_nodes)
         running = min(running, size)
@@ -356,9 +363,16 @@ def compute_status(job: JobView, pods: Sequence[PodView], decision: Decision, no
 
 
 def status_patch(old: Mapping[str, Any], new: Mapping[str, Any]) -> dict[str, Any]:
-    """JSON merge patch turning status ``old`` into ``new`` (removed keys become null)."""
+    """JSON merge patch (RFC 7386) turning status ``old`` into ``new``: removed keys become null at
+    any depth, since a merge patch merges objects (a stop's ``lastResize`` replacing an in-place one
+    would otherwise keep its ``inPlace``)."""
     patch: dict[str, Any] = {k: None for k in old if k not in new}
-    patch.update({k: v for k, v in new.items() if old.get(k) != v})
+    for key, value in new.items():
+        before = old.get(key)
+        if before == value:
+            continue
+        both_objects = isinstance(before, Mapping) and isinstance(value, Mapping)
+        patch[key] = status_patch(before, value) if both_objects else value
     return patch
 
 
@@ -391,18 +405,31 @@ def _resize_events(old: Mapping[str, Any], new: Mapping[str, Any]) -> list[tuple
     events = []
     asked, before = new.get("resizing") or {}, old.get("resizing") or {}
     if asked and (asked.get("to"), asked.get("requestedAt")) != (before.get("to"), before.get("requestedAt")):
-        then = ("the rollout pool resizes in place at the next step boundary; the trainer pods keep training"
-                if asked.get("inPlace") else
+        then = (_in_place_then(new, asked) if asked.get("inPlace") else
                 "the gang had not started: its pods are replaced at the new size" if asked.get("stoppedAt") else
                 "the workers stop at their next step boundary (checkpoint saved) and the gang restarts at the new size")
         events.append(("Normal", "ResizeRequested", f"cluster.numNodes {asked['from']} -> {asked['to']}: {then}"))
     done = new.get("lastResize")
     if done and done != old.get("lastResize") and done.get("inPlace"):
+        what = "rollout pool" if new.get("pools") else "gang"
         events.append(("Normal", "Resized", (
-            f"rollout pool resized in place from {done['from']} to {done['to']} nodes (attempt "
+            f"{what} resized in place from {done['from']} to {done['to']} nodes (attempt "
             f"{done.get('attempt')}, no restart): {done.get('costSeconds', 0):g}s from the request")))
     elif done and done != old.get("lastResize"):
         events.append(("Normal", "Resized", (
             f"resized from {done['from']} to {done['to']} nodes (attempt {done.get('attempt')}): "
             f"{done.get('costSeconds', 0):g}s from the stop to every node running")))
     return events
+
+
+def _in_place_then(new: Mapping[str, Any], asked: Mapping[str, Any]) -> str:
+    """What an in-place resize asked for does: of the rollout pool (async.enable: the status lists
+    pools) or of a synchronous job's whole gang."""
+    if new.get("pools"):
+        return "the rollout pool resizes in place at the next step boundary; the trainer pods keep training"
+    low, high = sorted((asked["from"], asked["to"]))
+    ranks, ending = (f"rank {low}", "s") if high - low == 1 else (f"ranks {low}..{high - 1}", "")
+    if asked["to"] > asked["from"]:
+        return f"the gang resizes in place: the running pods keep training, new {ranks} join{ending} at a step boundary"
+    return (f"the gang resizes in place: {ranks} leave{ending} at the next step boundary (exit 4), "
+            "the others keep training")

@@ -8,8 +8,10 @@ final checkpoint (converted from DCP) and the metrics.
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
+import pytest
 import torch
 from distflow.checkpoint import complete_checkpoints
 from distflow.launcher import launch_local
@@ -95,3 +97,29 @@ def initial_params() -> dict[str, torch.Tensor]:
     from distflow.models import model_cache_dir
 
     return load_causal_lm(resolve_model("tiny", model_cache_dir())).state_dict()
+
+
+def resized_by_hand(spec_doc: dict, tmp_path: Path, stops: list[tuple[int, int]]) -> Path:
+    """A job resized by hand: ``spec_doc`` run locally, each size until its stop step (killed in the
+    next step, as a lost node would be), then resumed at the next size; returns its log directory.
+
+    ``stops``: (step, the size from the step after it) in order; ``spec_doc``'s own size first."""
+    sizes = [spec_doc["cluster"]["numNodes"]] + [nodes for _, nodes in stops]
+    ends = [step for step, _ in stops] + [None]
+    for nodes, end in zip(sizes, ends, strict=True):
+        doc = {**spec_doc, "cluster": {**spec_doc["cluster"], "numNodes": nodes},
+               "trainer": {**spec_doc["trainer"], "logDir": str(tmp_path / "logs")},
+               "checkpoint": {"dir": str(tmp_path / "checkpoints"), "saveEverySteps": 1, "keepLast": 2}}
+        for section in ("template", "runPolicy"):  # the pods' and the operator's, not the run's
+            doc.pop(section, None)
+        spec = parse_spec(doc)
+        if end is None:
+            launch_local(spec, "by-hand", progress=False)
+            continue
+        os.environ["DISTFLOW_INJECT_FAILURE_AT_STEP"] = str(end + 1)
+        try:
+            with pytest.raises(Exception, match="injected failure"):
+                launch_local(spec, "by-hand", progress=False)
+        finally:
+            del os.environ["DISTFLOW_INJECT_FAILURE_AT_STEP"]
+    return tmp_path / "logs"

@@ -65,6 +65,8 @@ JOB_YAML = textwrap.dedent("""\
 JOB_TIMEOUT_S = 300.0
 """Per job, generous: each node imports torch twice (node + worker process) on a shared 2-core host."""
 STOPPED = re.compile(r"distflow: stopping after step (\d+) for a resize to (\d+) nodes \(checkpoint saved\)")
+REFORMED = re.compile(r"distflow: after step (\d+) the gang re-forms in place at (\d+) nodes")
+"""The line rank 0 logs when the gang resizes in place (``distflow.gang_resize``): (step, nodes)."""
 """The line node 0 prints when the gang stops at a step boundary for a resize: (step, new size)."""
 
 

@@ -9,8 +9,9 @@ operator, and Debian's Prometheus scraping a node exporter of distflow's
 rollout backlog the test sets. A ScaledObject on the job, with the Prometheus
 trigger of examples/scaledobject.yaml, must move ``spec.cluster.numNodes``
 through the CRD's scale subresource from 2 to 4 when the backlog rises, and
-back to 2 when it falls; the operator's gang follows: it asks the running workers to stop for
-each resize, and their exit 3 (played here) starts the gang at the new size.
+back to 2 when it falls; the operator's gang follows in place: it creates the new ranks' pods in
+the running attempt for a grow, and deletes the leaving ranks' pods once they exit 4 (played here)
+for a shrink, counting no restart.
 
 Opt-in (``-m keda``), and skipped, saying why, until the KEDA binaries are
 built (``bash tests/controlplane/build_keda.sh``; long: KEDA links every scaler).
@@ -18,6 +19,7 @@ built (``bash tests/controlplane/build_keda.sh``; long: KEDA links every scaler)
 
 from __future__ import annotations
 
+import json
 import re
 import shutil
 import time
@@ -107,8 +109,8 @@ def test_scaled_object_resizes_the_job_on_the_rollout_backlog(control_plane, k8s
         _wait_num_nodes(api, keda, name, 4)
         scaled_up_s = time.monotonic() - started
         assert _external_value(control_plane, keda, path, 3.5 * SAMPLES_PER_NODE) == 3.5 * SAMPLES_PER_NODE
-        _stop_for_resize(control_plane, api, k8s_namespace, name, attempt=1, num_nodes=4)
-        status = api.wait_phase(name, "Running", timeout_s=90, replicas=4, attempt=2)
+        _resize_in_place(control_plane, api, k8s_namespace, name, num_nodes=4)
+        status = api.wait_phase(name, "Running", timeout_s=90, replicas=4, attempt=1)
         assert status["selector"] == f"app.kubernetes.io/managed-by=distflow-operator,distflow.io/job-name={name}"
 
         started = time.monotonic()
@@ -116,22 +118,29 @@ def test_scaled_object_resizes_the_job_on_the_rollout_backlog(control_plane, k8s
         _wait_num_nodes(api, keda, name, 2)
         report_figure(f"KEDA: numNodes 2 -> 4 in {scaled_up_s:.1f} s after the backlog rose, "
                       f"4 -> 2 in {time.monotonic() - started:.1f} s after it fell (HPA sync 2 s, scrape 1 s)")
-        _stop_for_resize(control_plane, api, k8s_namespace, name, attempt=2, num_nodes=2)
-        status = api.wait_phase(name, "Running", timeout_s=90, replicas=2, attempt=3)
+        _resize_in_place(control_plane, api, k8s_namespace, name, num_nodes=2)
+        status = api.wait_phase(name, "Running", timeout_s=90, replicas=2, attempt=1)
         assert api.job(name)["spec"]["cluster"]["numNodes"] == 2 and status["restarts"] == 0
     finally:
         control_plane.kubectl("delete", "-n", k8s_namespace, "--ignore-not-found", "scaledobject", name)
         prometheus.stop()
 
 
-def _stop_for_resize(control_plane, api, namespace: str, name: str, attempt: int, num_nodes: int) -> None:
-    """The workers' part of a resize, played as kwok runs no runtime: once the operator asks for
-    ``num_nodes`` (the ConfigMap key its pods read at each step boundary), node 0 of ``attempt``
-    exits 3, as at a step boundary after the checkpoint (the operator then deletes the others)."""
-    wait_for(lambda: ((api.get("configmaps", f"{name}-config") or {}).get("data") or {}).get("resize")
-             == f'{{"numNodes": {num_nodes}}}', 60, what=lambda: f"resize request ({api.status(name)})")
-    assert api.status(name)["attempt"] == attempt
-    control_plane.set_pod_phase(namespace, f"{name}-node-0", "Failed", exit_code=3)
+def _resize_in_place(control_plane, api, namespace: str, name: str, num_nodes: int) -> None:
+    """The workers' part of in-place resizes, played as kwok runs no runtime, until the gang runs at
+    ``num_nodes`` (the HPA may pass through sizes between): whenever the ConfigMap asks for fewer nodes
+    in place, the running pods of the ranks past that size exit 4, as at a step boundary (a grow's
+    joining pods kwok runs by itself)."""
+    def settled() -> bool:
+        data = (api.get("configmaps", f"{name}-config") or {}).get("data") or {}
+        request = json.loads(data["resize"]) if "resize" in data else {}
+        if request.get("inPlace"):
+            for pod in api.live_pods(name, phase="Running"):
+                if int(pod["metadata"]["labels"]["distflow.io/node-rank"]) >= request["numNodes"]:
+                    control_plane.set_pod_phase(namespace, pod["metadata"]["name"], "Failed", exit_code=4)
+        status = api.status(name)
+        return status.get("attemptNodes") == num_nodes and "resizing" not in status
+    wait_for(settled, 90, 1.0, what=lambda: f"the gang resized in place to {num_nodes} ({api.status(name)})")
 
 
 def _hpa(control_plane, namespace: str, name: str) -> dict | None:

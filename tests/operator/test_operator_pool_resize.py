@@ -49,6 +49,22 @@ def _uids(api, name: str) -> dict[str, str]:
     return {p["metadata"]["name"]: p["metadata"]["uid"] for p in api.live_pods(name)}
 
 
+def assert_grown_in_place(api, name: str, before: dict[str, str], **fields) -> dict:
+    """The job's status once its in-place grow from 2 to 3 nodes is done (``fields``: more status
+    values to wait for): attempt 1, nothing counted, lastResize in place with its cost, and the
+    running pods kept (``before``: their uids) beside the one new pod."""
+    api.wait_running_gang(name, attempt=1, num_nodes=3)
+    status = api.wait_phase(name, "Running", attemptNodes=3, **fields)
+    assert (status["attempt"], status["restarts"], status["disruptions"], status["replicas"]) == (1, 0, 0, 3)
+    assert "resizing" not in status and "lastFailure" not in status
+    done = status["lastResize"]
+    assert (done["from"], done["to"], done["attempt"], done["inPlace"]) == (2, 3, 1, True)
+    assert "stoppedAt" not in done and done["requestedAt"] <= done["resumedAt"] and done["costSeconds"] >= 0
+    now = _uids(api, name)
+    assert {k: now[k] for k in before} == before and set(now) == set(before) | {f"{name}-node-2"}
+    return status
+
+
 def test_grow_creates_only_the_joining_pod_and_leaves_the_running_pods_alone(control_plane, k8s_namespace,
                                                                            api, operator):
     name = "pool-grow"
@@ -67,15 +83,7 @@ def test_grow_creates_only_the_joining_pod_and_leaves_the_running_pods_alone(con
     assert _request(api, name) == {"numNodes": 3, "rolloutNodes": 2}
     assert "numNodes: 3" in api.get("configmaps", f"{name}-config")["data"]["spec.yaml"]
 
-    api.wait_running_gang(name, attempt=1, num_nodes=3)
-    status = api.wait_phase(name, "Running", attemptNodes=3, attemptRolloutNodes=2)
-    assert (status["attempt"], status["restarts"], status["disruptions"], status["replicas"]) == (1, 0, 0, 3)
-    assert "resizing" not in status and "lastFailure" not in status
-    done = status["lastResize"]
-    assert (done["from"], done["to"], done["attempt"], done["inPlace"]) == (2, 3, 1, True)
-    assert "stoppedAt" not in done and done["requestedAt"] <= done["resumedAt"] and done["costSeconds"] >= 0
-    now = _uids(api, name)
-    assert {k: now[k] for k in before} == before and set(now) == set(before) | {f"{name}-node-2"}
+    assert_grown_in_place(api, name, before, attemptRolloutNodes=2)
     events = {e["reason"]: e["message"] for e in api.events(name)}
     assert "in place" in events["ResizeRequested"] and "in place from 2 to 3" in events["Resized"]
     assert "NodeFailed" not in events

@@ -82,7 +82,7 @@ def test_a_part_past_its_deadline_is_killed_with_its_children_and_fails(monkeypa
     grandchild = int(pid_file.read_text())
     time.sleep(0.5)
     state = subprocess.run(["ps", "-o", "stat=", "-p", str(grandchild)], capture_output=True, text=True).stdout
-    assert state.strip() in ("", "Z"), state  # gone (or a zombie of init's)
+    assert state.strip()[:1] in ("", "Z"), state  # gone, or a zombie of init's ("ZN" when run under nice)
 
 
 def test_the_json_is_rewritten_after_every_part_and_ok_needs_every_part(monkeypatch, tmp_path):

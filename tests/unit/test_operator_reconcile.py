@@ -24,6 +24,19 @@ KEY = ("ns", "grpo-tiny")
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "rljob.yaml"
 
 
+def merge_patch(target: dict, patch: dict) -> dict:
+    """``target`` with JSON merge patch ``patch`` applied (RFC 7386), as the API server does."""
+    out = dict(target)
+    for key, value in patch.items():
+        if value is None:
+            out.pop(key, None)
+        elif isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = merge_patch(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
 class FakeApi:
     """Records calls; created pods appear in the pod index as Running at once (like kwok)."""
 
@@ -32,22 +45,29 @@ class FakeApi:
         self.calls: list[tuple] = []
         self.jobs: dict = {}
         self.taken: set[str] = set()
+        self.config_maps: list[dict] = []
+        """The data of every ConfigMap ensured, in order."""
+        self.created: dict[str, dict] = {}
+        """name -> the last pod created under it."""
 
     def patch_job_status(self, namespace, name, patch, resource_version=None):
         self.calls.append(("status", patch.get("phase"), patch.get("attempt")))
         if self.update_index_status:
             body = self.jobs[(namespace, name)][0]
-            body["status"] = {k: v for k, v in {**body.get("status", {}), **patch}.items() if v is not None}
+            body["status"] = merge_patch(body.get("status", {}), patch)
         return str(len(self.calls))
 
     def ensure(self, obj, owner):
         self.calls.append(("ensure", obj["kind"]))
+        if obj["kind"] == "ConfigMap":
+            self.config_maps.append(obj["data"])
         if obj["metadata"]["name"] in self.taken:
             raise ChildConflict(f"{obj['kind']} {obj['metadata']['name']} exists and is not controlled by it")
 
     def create(self, pod):
         self.calls.append(("create", pod["metadata"]["name"], pod["metadata"]["labels"]["distflow.io/attempt"]))
         pod = copy.deepcopy(pod)
+        self.created[pod["metadata"]["name"]] = pod
         pod["metadata"]["uid"] = f"uid-{len(self.calls)}"
         pod["status"] = {"phase": "Running", "conditions": [{"type": "Ready", "status": "True"}]}
         self.pods.setdefault(KEY, []).append(pod_view(pod))
@@ -107,7 +127,7 @@ def test_a_steady_job_costs_no_api_calls():
     assert len(api.calls) == calls
 
 
-def test_a_resize_request_is_written_once_and_its_exit_3_starts_the_new_size():
+def test_an_in_place_request_goes_with_the_spec_once_and_an_exit_3_starts_the_new_size():
     reconciler, api, doc, pods, _ = setup()
 
     async def scenario():
@@ -117,21 +137,55 @@ def test_a_resize_request_is_written_once_and_its_exit_3_starts_the_new_size():
         api.calls.clear()
         for _ in range(3):  # the request is written on the first pass only
             await reconciler.reconcile(KEY)
-        requested = list(api.calls)
+        requested = list(api.calls), api.config_maps[-1]
         api.calls.clear()
-        fail(pods, 0, exit_code=3)
+        fail(pods, 0, exit_code=3)  # a worker image that stops instead of resizing in place
         for _ in range(3):  # the new attempt at 1 node; then steady
             await reconciler.reconcile(KEY)
         return requested
-    requested = asyncio.run(scenario())
-    assert requested == [("status", None, None), ("event", "ResizeRequested"),
-                         ("config-map", "grpo-tiny-config", "resize", '{"numNodes": 1}')]
+    requested, data = asyncio.run(scenario())
+    # The request and the spec at the new size in one update of the ConfigMap.
+    assert requested == [("status", None, None), ("event", "ResizeRequested"), ("ensure", "ConfigMap")]
+    assert data["resize"] == '{"numNodes": 1, "inPlace": true}'
+    assert "numNodes" not in (yaml.safe_load(data["spec.yaml"])["spec"].get("cluster") or {})  # 1: the default
     assert api.calls[:3] == [("status", "Restarting", 2), ("delete", "grpo-tiny-node-0"),
                              ("delete", "grpo-tiny-node-1")], api.calls
     assert [c for c in api.calls if c[0] == "create"] == [("create", "grpo-tiny-node-0", "2")]
     # The request goes with the attempt (and the new attempt's ConfigMap is rendered whole, without it).
     assert [c for c in api.calls if c[0] == "config-map"] == [("config-map", "grpo-tiny-config", "resize", None)]
+    assert "resize" not in api.config_maps[-1]
     assert (doc["status"]["restarts"], doc["status"]["attemptNodes"], doc["status"]["lastResize"]["to"]) == (0, 1, 1)
+
+
+def test_an_in_place_shrink_and_grow_back_keep_the_attempt_and_lose_no_pod():
+    reconciler, api, doc, pods, _ = setup()
+
+    async def passes(n):
+        for _ in range(n):
+            await reconciler.reconcile(KEY)
+
+    async def scenario():
+        await passes(2)
+        doc["spec"]["cluster"]["numNodes"] = 1
+        await passes(1)
+        fail(pods, 1, exit_code=4)  # rank 1 leaves at a step boundary
+        await passes(2)  # its pod deleted; then the shrink is done
+        shrunk = (copy.deepcopy(doc["status"]), reconciler._memory[KEY].lost(1, pods[KEY]))
+        api.calls.clear()
+        doc["spec"]["cluster"]["numNodes"] = 2
+        await passes(2)  # the joiner created (Running at once here); then the grow is done
+        return shrunk
+    shrunk, lost = asyncio.run(scenario())
+    assert (shrunk["attempt"], shrunk["restarts"], shrunk["attemptNodes"], shrunk["lastResize"]["inPlace"]) == \
+        (1, 0, 1, True)
+    assert lost == {}  # the pod the operator deleted itself is no loss, even once rank 1 comes back
+    assert [c for c in api.calls if c[0] in ("create", "delete")] == [("create", "grpo-tiny-node-1", "1")]
+    env = {e["name"]: e.get("value") for e in api.created["grpo-tiny-node-1"]["spec"]["containers"][0]["env"]}
+    assert (env["DISTFLOW_JOIN"], env["PET_NNODES"], env["PET_NODE_RANK"]) == ("1", "2", "1")
+    assert api.config_maps[-1]["resize"] == '{"numNodes": 2, "inPlace": true}'
+    status = doc["status"]
+    assert (status["attempt"], status["restarts"], status["attemptNodes"], status["phase"]) == (1, 0, 2, "Running")
+    assert (status["lastResize"]["from"], status["lastResize"]["to"], status["lastResize"]["inPlace"]) == (1, 2, True)
 
 
 def test_gang_restart_writes_the_attempt_then_replaces_every_pod():

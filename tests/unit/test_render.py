@@ -136,6 +136,24 @@ def test_config_map_holds_the_spec_without_its_defaults_and_parses_back_equal():
     assert spec_from_manifest(loaded) == spec
 
 
+def test_resize_requests_render_the_three_kinds_of_request_exactly():
+    assert render.resize_request_value(3) == '{"numNodes": 3}'
+    assert render.resize_request_value(3, 2) == '{"numNodes": 3, "rolloutNodes": 2}'
+    assert render.resize_request_value(3, in_place=True) == '{"numNodes": 3, "inPlace": true}'
+    with pytest.raises(AssertionError):
+        render.resize_request_value(3, 2, in_place=True)
+
+
+def test_a_joining_node_of_a_synchronous_gang_gets_the_new_size_and_the_join_flag():
+    spec = make_spec()  # the spec at the new size: 4 nodes
+    env = env_of(render.build_node_pod(spec, OWNER, rank=3, attempt=1, joining=True))
+    assert (env["DISTFLOW_JOIN"], env["PET_NNODES"], env["PET_NODE_RANK"], env["WORLD_SIZE"], env["DISTFLOW_ATTEMPT"]) \
+        == ("1", "4", "3", "8", "1")
+    data = render.build_config_map(spec, OWNER, render.resize_request_value(4, in_place=True))["data"]
+    assert data["resize"] == '{"numNodes": 4, "inPlace": true}'
+    assert yaml.safe_load(data["spec.yaml"])["spec"]["cluster"]["numNodes"] == 4
+
+
 def test_headless_service_publishes_not_ready_addresses():
     svc = render.build_headless_service(make_spec(trainer={"metricsPort": 9555}), OWNER)
     assert svc["metadata"]["name"] == "grpo"

@@ -149,6 +149,14 @@ def test_status_patch_sets_changes_and_nulls_removed_keys():
     assert status_patch(old, {"phase": "Pending", "attempt": 1}) == {"phase": "Pending", "completionTime": None}
 
 
+def test_status_patch_nulls_keys_removed_inside_an_object_a_merge_patch_would_keep():
+    # A stop-and-restart resize recorded over an in-place one: the merge patch must drop inPlace.
+    old = {"phase": "Running", "lastResize": {"from": 2, "to": 3, "attempt": 1, "inPlace": True}}
+    new = {"phase": "Running", "lastResize": {"from": 2, "to": 3, "attempt": 2, "stoppedAt": "t"}}
+    assert status_patch(old, new) == {"lastResize": {"attempt": 2, "inPlace": None, "stoppedAt": "t"}}
+    assert status_patch(old, {"phase": "Running"}) == {"lastResize": None}
+
+
 def test_transition_events_for_restarts_failures_and_resume():
     running = {"phase": "Running", "restarts": 0}
     restarting = {"phase": "Restarting", "restarts": 1, "reason": "NodeFailed", "message": "m"}

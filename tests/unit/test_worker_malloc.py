@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from distflow.worker import configure_malloc
+from distflow.malloc import configure_malloc
 
 pytestmark = pytest.mark.unit
 
@@ -28,7 +28,7 @@ def test_left_alone_by_default_or_when_glibc_is_configured(environ):
 
 def test_sets_the_threshold_when_asked():
     # In a child: mallopt changes the whole process's allocator.
-    code = ("from distflow.worker import configure_malloc as c; "
+    code = ("from distflow.malloc import configure_malloc as c; "
             "print(c({'DISTFLOW_MMAP_THRESHOLD': '131072'}), "
             "c({'DISTFLOW_MMAP_THRESHOLD': '524288', 'GLIBC_TUNABLES': 'glibc.malloc.hugetlb=1'}))")
     paths = os.pathsep.join(str(REPO / p) for p in ("worker_image", "operator", "."))

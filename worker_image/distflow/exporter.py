@@ -62,6 +62,18 @@ def role_wait_ratios(metrics: dict[str, float]) -> dict[str, float]:
 class NodeExporter:
     """Registers distflow_* series and serves them on ``port`` (0: not served)."""
 
+    _serving: dict[tuple[str, int, int], "NodeExporter"] = {}
+
+    @classmethod
+    def serving(cls, job: str, node: int, port: int) -> "NodeExporter":
+        """This process's exporter for ``(job, node, port)``, created at the first call: a worker
+        built again in the same process (``distflow.gang_resize``) goes on with the series and the
+        port the first one serves (a second server could not bind it)."""
+        key = (job, node, port)
+        if key not in cls._serving:
+            cls._serving[key] = cls(job, node, port)
+        return cls._serving[key]
+
     def __init__(self, job: str, node: int, port: int):
         self.registry = CollectorRegistry()
         self.labels = {"job_name": job, "node": str(node)}
@@ -87,8 +99,16 @@ class NodeExporter:
                                   names, registry=self.registry)
         self.exchanges = Counter("distflow_edge_exchanges", "Edges crossed (cache hit or transfer)",
                                  names, registry=self.registry)
+        self.resize_pause = Gauge("distflow_resize_pause_seconds",
+                                  "Seconds the gang trained nothing in its last in-place resize", names,
+                                  registry=self.registry)
         if port:
             start_http_server(port, registry=self.registry)
+
+    def observe_resize_pause(self, seconds: float) -> None:
+        """The gang's last in-place resize (``distflow.gang_resize``): seconds from its step boundary to
+        training again (checkpoint, re-form, model build, checkpoint load)."""
+        self.resize_pause.labels(**self.labels).set(seconds)
 
     def observe_step(self, step: int, metrics: dict[str, float], rank_bytes: dict[tuple[int, str], float],
                      num_tokens: float, cache_hits: float, exchanges: float) -> None:

@@ -98,7 +98,7 @@ def spawn_workers(main, args: tuple, num_workers: int) -> None:
         mp.spawn(main, args=args, nprocs=num_workers, join=True)
     except mp.ProcessExitedException as err:
         if err.exit_code == EXIT_LEFT_POOL:
-            raise LeftPool(f"worker {err.error_index} left the rollout pool at a step boundary") from None
+            raise LeftPool(f"worker {err.error_index} left in an in-place shrink at a step boundary") from None
         if err.exit_code != EXIT_RESIZE:
             raise
         raise StoppedForResize(f"worker {err.error_index} stopped at a step boundary for a resize "

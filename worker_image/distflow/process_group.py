@@ -115,6 +115,57 @@ def reform(device: torch.device, store, generation: int, rank: int, world_size: 
                             rank=rank, world_size=world_size)
 
 
+GENERATION_KEY = "distflow/generation"
+"""Key of the job's store (``world_store``) holding the generation of the world that runs now (0:
+the first): every world a resize re-forms in place meets under a prefix of its own (``reform``)."""
+
+
+def world_key(generation: int, name: str) -> str:
+    """A key of world ``generation``'s rendezvous: ``ready`` (joiners registered for it, a counter)
+    or ``go`` (its size once the running ranks form it; 0: it formed without joiners)."""
+    return f"distflow/world{generation}/{name}"
+
+
+def announce_world(store, generation: int, joiners_world_size: int) -> None:
+    """Rank 0 of the running world, forming world ``generation``: publish it, and wake the
+    registered joiners with the size it takes them at (0: it formed without them; they register
+    for the next)."""
+    store.set(GENERATION_KEY, str(generation))
+    store.set(world_key(generation, "go"), str(joiners_world_size))
+
+
+def wait_to_join(store, world_size: int, rank: int, what: str, timeout_s: float = 3600.0) -> int:
+    """A process outside the world (a joiner): register as ready for the next world, and wait until
+    the running ranks form one that takes it. Returns that world's generation (then ``reform``).
+
+    Args:
+        store: the job's store (``join_store``).
+        world_size: the size of the world this process was started for (PET_NNODES x procsPerNode).
+        what: what it joins, for the log line (``the rollout pool``, ``the gang``).
+
+    Raises:
+        RuntimeError: no world took it within ``timeout_s`` seconds, or one of another size did (the
+            request and this pod's PET_NNODES disagree).
+    """
+    deadline = time.monotonic() + timeout_s
+    while True:
+        generation = int(store.get(GENERATION_KEY)) + 1
+        store.add(world_key(generation, "ready"), 1)
+        print(f"distflow: rank {rank} is ready to join {what} (world {generation})", flush=True)
+        key = world_key(generation, "go")
+        while not store.check([key]):  # polled: a store's own wait has one fixed timeout
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"rank {rank}: no running world took this worker in {timeout_s:.0f} s "
+                                   f"(store key {key} never set)")
+            time.sleep(0.2)
+        go = int(store.get(key))
+        if go == world_size:
+            return generation
+        if go != 0:
+            raise RuntimeError(f"rank {rank}: world {generation} formed with {go} workers, not the "
+                               f"{world_size} this worker was started for (PET_NNODES)")
+
+
 def leave() -> None:
     """Destroy this process's groups without a collective (a rank leaving the world)."""
     if dist.is_initialized():

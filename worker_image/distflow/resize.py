@@ -9,6 +9,10 @@ same boundary and exit with ``EXIT_RESIZE``, which the operator reads as a resiz
 at different moments, so the ranks agree first: one that has seen the request makes
 every rank stop (``agree`` is a max-reduction over the ranks).
 
+A request with ``"inPlace": true`` (what the operator writes for a job without pools) resizes the
+gang in place (``distflow.gang_resize``): the running workers re-form the world with the new
+size at a step boundary (new nodes join, the last ones leave), and nothing exits but the leavers.
+
 With pools (``async.enable``) the request may also name the rollout pool's size,
 ``{"numNodes": N, "rolloutNodes": R}``. When the trainer nodes (N - R) are those of
 the running gang, it is an in-place resize of the rollout pool
@@ -54,6 +58,8 @@ class ResizeRequest:
     """cluster.numNodes wanted (>= 1)."""
     rollout_nodes: int | None = None
     """async.rolloutPool.numNodes wanted (>= 1, < ``num_nodes``); None: not named."""
+    in_place: bool = False
+    """Resize the whole gang in place (``"inPlace": true``; ``distflow.gang_resize``), not by a stop."""
 
     def in_place_for(self, num_nodes: int, rollout_nodes: int | None) -> bool:
         """Whether this is an in-place resize of the rollout pool of a gang of ``num_nodes`` nodes,
@@ -81,7 +87,8 @@ def read_request(path: Path) -> ResizeRequest | None:
     if not isinstance(value, dict) or (nodes := _count(value.get("numNodes"), 1)) is None:
         return None
     rollout = _count(value.get("rolloutNodes"), 1)
-    return ResizeRequest(nodes, rollout if rollout is not None and rollout < nodes else None)
+    return ResizeRequest(nodes, rollout if rollout is not None and rollout < nodes else None,
+                         value.get("inPlace") is True)
 
 
 def requested_nodes(path: Path) -> int | None:
@@ -100,12 +107,14 @@ class ResizeWatch:
             identity for a single process.
         rollout_nodes: the rollout pool's nodes (async.rolloutPool.numNodes); None: no pools. A
             request that is in place for it (``ResizeRequest.in_place_for``) does not stop the gang.
+        gang_in_place: the gang resizes in place (``distflow.gang_resize``, a job without pools): an
+            ``inPlace`` request does not stop it.
     """
 
     def __init__(self, path: Path | str, num_nodes: int, agree: Callable[[int], int] = lambda flag: flag,
-                 rollout_nodes: int | None = None):
+                 rollout_nodes: int | None = None, gang_in_place: bool = False):
         self.path, self.num_nodes, self.agree = Path(path), num_nodes, agree
-        self.rollout_nodes = rollout_nodes
+        self.rollout_nodes, self.gang_in_place = rollout_nodes, gang_in_place
         self.requested: int | None = None
         """The size this rank last read (None: no request, or one this rank has not seen yet)."""
 
@@ -115,5 +124,6 @@ class ResizeWatch:
         request = read_request(self.path)
         self.requested = request.num_nodes if request is not None else None
         stop = request is not None and request.num_nodes != self.num_nodes \
-            and not request.in_place_for(self.num_nodes, self.rollout_nodes)
+            and not request.in_place_for(self.num_nodes, self.rollout_nodes) \
+            and not (request.in_place and self.gang_in_place)
         return bool(self.agree(int(stop)))

@@ -15,7 +15,6 @@ plus the samples a plan says must move.
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import os
 import random
@@ -27,6 +26,9 @@ import torch
 import torch.distributed as dist
 
 from distflow import chaos, checkpoint, precision, process_group, sample_ids
+from distflow import gang_resize
+from distflow.gang_resize import GangResize
+from distflow.malloc import release_freed_memory
 from distflow.resize import ResizeWatch
 from distflow.checkpoint_origin import made_from
 from distflow.coordinator import DataCoordinator
@@ -77,58 +79,15 @@ class WorkerEnv:
     """The operator's resize request, mounted from the job's ConfigMap (``distflow.resize``);
     empty: none (a local run), and no step polls for one."""
     join: bool = False
-    """A rollout worker started to join a running job's rollout pool (``distflow.pools.elastic``):
-    ``rank`` and ``world_size`` are those of the world it joins."""
+    """A worker started to join a running job's rollout pool (``distflow.pools.elastic``) or gang
+    (``distflow.gang_resize``): ``rank`` and ``world_size`` are those of the world it joins."""
+    formed: bool = False
+    """Its world is formed already (``distflow.gang_resize`` re-formed it in place)."""
+    generation: int = 0
+    """Worlds of the job's store before this one (``process_group.GENERATION_KEY``)."""
 
 
 log = logging.getLogger(__name__)
-
-
-def _release_freed_memory() -> None:
-    """Return the full-size load copies (freed after sharding) to the OS.
-
-    glibc keeps freed arenas mapped; without this a worker's resident memory
-    keeps the unsharded weights it loaded (about one model copy per model).
-    """
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
-
-
-_M_MMAP_THRESHOLD = -3  # mallopt(3) parameter, glibc <malloc.h>
-
-
-def configure_malloc(environ=os.environ) -> int:
-    """Fix glibc's mmap threshold when ``DISTFLOW_MMAP_THRESHOLD`` (bytes) asks for it.
-
-    glibc raises its threshold every time it frees an mmapped block (up to
-    32 MiB); after that, activations, FSDP all-gather buffers and gradients
-    come from the heap, which fragments and keeps what they free resident. On
-    the quickstart (SmolLM2-135M, 2 CPU workers) a worker peaked at 3.9 GiB
-    resident with glibc's default and at 2.9 GiB with
-    ``DISTFLOW_MMAP_THRESHOLD=524288`` (512 KiB, which also turns the dynamic
-    adjustment off). The price: every large allocation is a fresh mapping
-    whose pages fault in, and the actor update took 11 s instead of 6.5 s.
-    So it is off by default: a memory-for-speed trade for memory-bound nodes.
-
-    Left alone when glibc is configured already (``MALLOC_MMAP_THRESHOLD_``,
-    or ``mmap_threshold`` in ``GLIBC_TUNABLES``) and on other C libraries.
-
-    Returns:
-        The threshold set, or 0 when none was.
-    """
-    raw = environ.get("DISTFLOW_MMAP_THRESHOLD", "").strip()
-    if not raw or "MALLOC_MMAP_THRESHOLD_" in environ or "mmap_threshold" in environ.get("GLIBC_TUNABLES", ""):
-        return 0
-    threshold = int(raw)
-    if threshold <= 0:
-        return 0
-    try:
-        ok = ctypes.CDLL("libc.so.6").mallopt(_M_MMAP_THRESHOLD, threshold)
-    except (OSError, AttributeError):  # not glibc
-        return 0
-    return threshold if ok == 1 else 0
 
 
 def _max_over_ranks(flag: int) -> int:
@@ -157,16 +116,18 @@ class DagWorker:
     """``train`` stopped at a step boundary because the operator asked for another size."""
     left_pool = False
     """This rank left the rollout pool in an in-place shrink (``distflow.pools.elastic``): it exits."""
+    reform_to: int | None = None
+    """``train`` stopped for an in-place resize of the gang to this many nodes (``distflow.gang_resize``)."""
     resume_from: str | None = None
     """The checkpoint (``step_N``) this run resumes from, chosen once before the models are
     built, the same on every rank; None: the run starts from the pretrained weights."""
 
     def __init__(self, spec: JobSpec, env: WorkerEnv):
-        self.spec, self.env = spec, env
+        self.spec, self.env, self.given = spec, env, spec  # given: before its device defaults are settled
         self.plan = build_plan(spec)
         self.made_from = made_from(spec, env.model_dir)  # recorded in each checkpoint, compared on resume
         # Served first: a pod is Ready (readiness probe on /metrics) once its runtime is up.
-        self.exporter = NodeExporter(env.job_name, env.node_rank, env.metrics_port) \
+        self.exporter = NodeExporter.serving(env.job_name, env.node_rank, env.metrics_port) \
             if env.local_rank == 0 else None
         info = fsdp.select_device(spec.cluster.device, env.device_index)
         self.device = info.device
@@ -182,7 +143,7 @@ class DagWorker:
         self.step = 0
         self.resume_from = self._choose_resume()
         self._build_models()
-        _release_freed_memory()
+        release_freed_memory()
         self._build_data()
         self.metrics = StepMetrics()
         self.counters = TransferCounters.for_plan(self.plan, env.world_size)
@@ -195,12 +156,15 @@ class DagWorker:
         self.is_logger = env.rank == 0
         self.writer = JsonlWriter(spec.trainer.log_dir) if self.is_logger else None
         pools = spec.async_.rollout_pool.num_nodes if spec.async_.enable else None
-        self.resize_watch = ResizeWatch(env.resize_file, env.num_nodes, _max_over_ranks, pools) \
+        in_place = GangResize.takes(spec)
+        self.resize_watch = ResizeWatch(env.resize_file, env.num_nodes, _max_over_ranks, pools, in_place) \
             if env.resize_file else None
+        self.gang = GangResize.for_worker(self) if env.resize_file and in_place else None
 
     def _init_world(self) -> None:
         env = self.env
-        process_group.init(self.device, f"tcp://{env.master_addr}:{env.master_port}", env.rank, env.world_size)
+        if not env.formed:  # else a gang resized in place formed it (distflow.gang_resize)
+            process_group.init(self.device, f"tcp://{env.master_addr}:{env.master_port}", env.rank, env.world_size)
 
     def _resume(self, in_flight: str = "") -> None:
         """Load the checkpoint ``_choose_resume`` chose, if any (``self.step``: its step, else 0), and
@@ -521,6 +485,8 @@ class DagWorker:
         history = []
         chaos.install(self)
         self._resume()
+        if self.gang is not None:
+            gang_resize.resumed(self)
         self._report_start(progress, evaluate=self.step == 0)
         fail_at = int(os.environ.get("DISTFLOW_INJECT_FAILURE_AT_STEP", "0"))
         while self.step < spec.trainer.total_steps:
@@ -546,7 +512,8 @@ class DagWorker:
 
     def _step_boundary(self) -> bool:
         """Collective, after step ``self.step``: the checkpoint every ``checkpoint.saveEverySteps`` (and
-        at the last step), and the resize poll. True when the gang stops here for a resize: then the
+        at the last step), and the resize poll. True when the gang stops here for a resize, or to
+        re-form in place at another size (``self.reform_to``, ``distflow.gang_resize``): then the
         checkpoint of this step is complete on every rank (``checkpoint.save`` agrees before returning)."""
         spec = self.spec
         last = self.step == spec.trainer.total_steps
@@ -554,7 +521,11 @@ class DagWorker:
         saved = bool(spec.checkpoint.dir) and (last or bool(save_every and self.step % save_every == 0))
         if saved:
             self._save_checkpoint()
-        if last or self.resize_watch is None or not self.resize_watch.should_stop():
+        if last or self.resize_watch is None:
+            return False
+        if self.gang is not None and self.gang.at_step_boundary(self, saved):
+            return True
+        if not self.resize_watch.should_stop():
             return False
         if spec.checkpoint.dir and not saved:
             self._save_checkpoint()

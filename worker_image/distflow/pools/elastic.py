@@ -35,7 +35,6 @@ deletes a pod that never starts; the job goes on at its size).
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Sequence
@@ -142,14 +141,14 @@ class RolloutPoolResize:
         store = process_group.join_store(env.master_addr, env.master_port) if env.join \
             else process_group.world_store()
         if env.rank == 0:
-            store.set(GENERATION_KEY, "0")
+            store.set(process_group.GENERATION_KEY, "0")
         return cls(env.resize_file, PoolSize(spec.cluster.num_nodes, spec.async_.rollout_pool.num_nodes),
                    spec.cluster.procs_per_node, spec.data.train_batch_size, store, joining=env.join)
 
     def poll(self) -> tuple[PoolSize | None, int]:
         """(the agreed next size or None, the joiners ready for the next world as rank 0 counts them).
         Collective over the world: one all-gather of 4 integers per rank."""
-        ready = int(self.store.add(_key(self.generation + 1, "ready"), 0)) if dist.get_rank() == 0 else 0
+        ready = int(self.store.add(process_group.world_key(self.generation + 1, "ready"), 0)) if dist.get_rank() == 0 else 0
         mine = torch.tensor([*_encode(read_request(self.path)), ready], dtype=torch.int64)
         rows = [torch.zeros(4, dtype=torch.int64) for _ in range(dist.get_world_size())]
         dist.all_gather(rows, mine)
@@ -176,8 +175,7 @@ class RolloutPoolResize:
             return False
         self.current, self.generation = target, self.generation + 1
         if worker.rank == 0:
-            self.store.set(GENERATION_KEY, str(self.generation))
-            self.store.set(_key(self.generation, "go"), str(spec.world_size if joiners > 0 else 0))
+            process_group.announce_world(self.store, self.generation, spec.world_size if joiners > 0 else 0)
         if worker.rank >= spec.world_size:
             process_group.leave()
             worker.left_pool = True
@@ -203,17 +201,8 @@ class RolloutPoolResize:
             RuntimeError: no world took this worker within ``timeout_s`` seconds, or one of
                 another size did (the request and this pod's PET_NNODES disagree).
         """
-        deadline = time.monotonic() + timeout_s
-        while True:
-            generation = int(self.store.get(GENERATION_KEY)) + 1
-            self.store.add(_key(generation, "ready"), 1)
-            print(f"distflow: rank {worker.rank} is ready to join the rollout pool (world {generation})", flush=True)
-            go = _wait_for(self.store, _key(generation, "go"), deadline)
-            if go == worker.env.world_size:
-                break
-            if go != 0:
-                raise RuntimeError(f"rank {worker.rank}: world {generation} formed with {go} workers, not the "
-                                   f"{worker.env.world_size} this worker was started for (PET_NNODES)")
+        generation = process_group.wait_to_join(self.store, worker.env.world_size, worker.rank,
+                                                "the rollout pool", timeout_s)
         self.joining, self.generation = False, generation
         process_group.reform(worker.device, self.store, generation, worker.rank, worker.env.world_size)
         worker._build_groups()
@@ -223,30 +212,10 @@ class RolloutPoolResize:
         return worker.step
 
 
-GENERATION_KEY = "distflow/generation"
-
-
 def _next_generated(worker) -> int:
     """The first step (from 1) the rollout pool generates after a boundary: the steps up to
     ``maxStaleness`` past the trained ones are generated already (in flight)."""
     return worker.step + worker.plan.staleness + 1
-
-
-def _key(generation: int, name: str) -> str:
-    return f"distflow/world{generation}/{name}"
-
-
-def _wait_for(store, key: str, deadline: float) -> int:
-    """The integer at ``key`` once it is set (polling: a store's own wait has one fixed timeout).
-
-    Raises:
-        RuntimeError: not set by ``deadline`` (time.monotonic).
-    """
-    while not store.check([key]):
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"no running world took this worker (store key {key} never set)")
-        time.sleep(0.2)
-    return int(store.get(key))
 
 
 def hand_over(worker) -> None:
