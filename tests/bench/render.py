@@ -356,25 +356,20 @@ def render_logprob(result: dict) -> str:
 
 
 RESIZE_FIXES = {
-    "step in flight": "only a shorter step shortens it: the gang stops at a step boundary, and the "
-                      "request was made just after one (the worst case)",
-    "checkpoint + exit": "the stop writes the model and both Adam moments (float32: 12 bytes a parameter, "
-                         "1.6 GB for SmolLM2) with fsync and reads them back to hash them for the manifest "
-                         "(each worker a share) before a worker exits; keeping the surviving workers and "
-                         "resharding their state in memory, or writing it to node-local memory for the next "
-                         "attempt, would spare most of it",
-    "pods recreated": "keep the pods that both sizes have (re-rendezvous them in place) instead of deleting "
-                      "the gang and waiting for the deletion before creating the new one",
-    "worker start": "start the worker processes from a warm pool (or fork them from the node process) "
-                    "instead of a fresh interpreter that imports torch",
-    "resume": "the new workers verify the checkpoint (each hashes a share of its 1.6 GB), allocate the actor "
-              "without reading the pretrained files and read the checkpoint's model and Adam state into it at "
-              "the new world size (a reference model, with KL on, still comes from the pretrained files); "
-              "reading the checkpoint from node-local memory, or resharding the surviving workers' state in "
-              "memory, would shorten it",
-    "first step": "nothing resize-specific: the first step of a process is slower than the next ones",
+    "trained on": "it is training, not lost time: the gang trains on at the old size until a step boundary finds "
+                  "the joiners of a grow Ready (each a fresh interpreter that imports torch and serves its metrics, "
+                  "competing with the running workers for the cores) or, for a shrink, the step in flight done; "
+                  "joiners started from a warm pool would take the new size sooner",
+    "checkpoint + re-form": "the step's checkpoint: the model and both Adam moments (float32: 12 bytes a "
+                            "parameter, 1.6 GB for SmolLM2) written with fsync and read back to hash them for "
+                            "the manifest (each worker a share); resharding the state in memory across the "
+                            "re-formed world would spare it",
+    "resume": "the old world's groups closed, the new world formed, the actor built again (without reading the "
+              "pretrained files) and the checkpoint verified and read into it at the new world size; resharding "
+              "the state in memory would spare the verification and the read",
+    "first step": "nothing resize-specific: the first step of a worker built again is slower than the next ones",
 }
-"""What would shorten each phase of a resize when it is the one that dominates."""
+"""What would shorten each phase of an in-place resize when it is the one most over its share."""
 
 
 def render_resize(result: dict) -> str:
@@ -382,21 +377,26 @@ def render_resize(result: dict) -> str:
     from tests.bench import resize_cost
 
     phases = resize_cost.PHASES
+    if not all(set(phases) <= set(r["phases"]) for r in result.get("resizes", [{"phases": {}}])):
+        return ("**Recorded on the stop path** (the gang stopped, its pods were recreated and it resumed), before "
+                "whole-gang resizes were done in place: its phases are not this benchmark's. Re-run "
+                "`PYTHONPATH=worker_image:operator:. python -m tests.bench.report --only resize`.")
     rows = []
     for r in result["resizes"]:
         rows.append([f"{r['from']} -> {r['to']}", f"**{r['phases']['total']:.1f}**",
-                     *[f"{r['phases'][p]:.1f}" for p in phases], f"{r['target_seconds']:.1f}",
-                     f"{r['ratio']:.2f}", "met" if r["met"] else "**missed**", f"{r['operator_cost_seconds']:g}"])
+                     *[f"{r['phases'][p]:.1f}" for p in phases], f"{r['phases']['without training']:.1f}",
+                     f"{r['pods_seconds']:.1f}", f"{r['target_seconds']:.1f}", f"{r['ratio']:.2f}",
+                     "met" if r["met"] else "**missed**", f"{r['operator_cost_seconds']:g}"])
         rows.append(["over its share of the target", f"{r['phases']['total'] - r['target_seconds']:+.1f}",
-                     *[f"{r['excess'][p]:+.1f}" for p in phases], "", "", "", ""])
-    costs = md_table(["resize", "cost (s)", *phases, "target (s)", "cost / target", "target",
-                      "lastResize.costSeconds"], rows)
+                     *[f"{r['excess'][p]:+.1f}" for p in phases], "", "", "", "", "", ""])
+    costs = md_table(["resize", "cost (s)", *phases, "without training (s)", "joiners Ready / leavers exited (s)",
+                      "target (s)", "cost / target", "target", "lastResize.costSeconds"], rows)
     fresh = md_table(["fresh start", *resize_cost.FRESH_PHASES, "total (s)"],
                      [[f"{n} nodes", *[f"{f[p]:.1f}" for p in resize_cost.FRESH_PHASES], f"{f['total']:.1f}"]
                       for n, f in sorted(result["fresh_start"].items())])
     medians = result["median_step_seconds"]
     reference = ("Reference: median step " + ", ".join(f"{medians[n]:.1f} s at {n} nodes" for n in sorted(medians))
-                 + " (each attempt's first step left out); steps: "
+                 + " (the first step at each size left out); steps: "
                  + ", ".join(f"{k}: {v:.1f}" for k, v in result["step_seconds"].items()) + " s.")
     reference += (" One run on 2 cores: 4 nodes (4 node processes and 4 workers) oversubscribe them, so "
                   "every 4-node figure, step and start alike, is slower than the 2-node one; this measures what a "
@@ -404,25 +404,34 @@ def render_resize(result: dict) -> str:
     checks = "Checks in this run: " + "; ".join(f"{name}: {'yes' if ok else '**no**'}"
                                                for name, ok in result["checks"].items()) + \
         f". Status at the end: {result['status']}."
-    reading = ["Each phase's share of the target: the step in flight's is the median step at the size "
-               "left, worker start's, resume's and the first step's are the fresh start's worker start, "
-               "initialisation and first step; checkpoint + exit and pods recreated have none."]
-    for r in result["resizes"]:
-        start, over = result["fresh_start"][str(r["to"])], r["largest_excess"]
-        spare = r["target_seconds"] - r["phases"]["total"]
-        narrow = r["met"] and spare < 0.05 * r["target_seconds"]
-        text = (f"{r['from']} -> {r['to']}: {r['phases']['total']:.1f} s against {r['target_seconds']:.1f} s "
-                f"(step {medians[str(r['from'])]:.1f} s + fresh start at {r['to']} nodes {start['total']:.1f} s), "
-                + (f"met with {spare:.1f} s to spare" if r["met"] else
-                   f"missed by {-spare:.1f} s ({r['ratio'] - 1:.0%})")
-                + (" (under 5% of a target that this run's own step and fresh-start times set, so the "
-                   "verdict moves with the machine's load)" if narrow else "")
-                + f". Its largest part is {r['dominant']} ({r['phases'][r['dominant']]:.1f} s); the part most "
-                f"over its share is {over} ({r['excess'][over]:+.1f} s)")
-        reading.append(text + (f": {RESIZE_FIXES[over]}." if r["excess"][over] > 0 else "."))
+    reading = ["Each phase's share of the target: trained on's is the median step at the size left plus the "
+               "fresh start's worker start (the joiners of a grow start meanwhile), resume's and the first "
+               "step's are the fresh start's initialisation and first step; checkpoint + re-form has none."]
+    reading += [_resize_reading(r, result) for r in result["resizes"]]
     doc = resize_cost.__doc__.split(chr(10) * 2, 1)[1].strip()
     return "\n\n".join([doc, f"Settings: {result['settings']}.", costs, fresh, reference, checks,
                          *reading, _resize_plot(result)])
+
+
+def _resize_reading(r: dict, result: dict) -> str:
+    """One resize's verdict, its largest phase and the phase most over its share (with its fix)."""
+    start, over = result["fresh_start"][str(r["to"])], r["largest_excess"]
+    step = result["median_step_seconds"][str(r["from"])]
+    spare = r["target_seconds"] - r["phases"]["total"]
+    narrow = r["met"] and spare < 0.05 * r["target_seconds"]
+    pods = "its joiners were Ready" if r["to"] > r["from"] else "its leaving nodes had exited"
+    text = (f"{r['from']} -> {r['to']}: {r['phases']['total']:.1f} s against {r['target_seconds']:.1f} s "
+            f"(step {step:.1f} s + fresh start at {r['to']} nodes {start['total']:.1f} s), "
+            + (f"met with {spare:.1f} s to spare" if r["met"] else f"missed by {-spare:.1f} s ({r['ratio'] - 1:.0%})")
+            + (" (under 5% of a target that this run's own step and fresh-start times set, so the "
+               "verdict moves with the machine's load)" if narrow else "")
+            + f". The gang trained {r['steps_trained_on']} step{'s' * (r['steps_trained_on'] != 1)} at "
+            f"{r['from']} nodes after the request and re-formed after step {r['reformed_after']}; {pods} "
+            f"{r['pods_seconds']:.1f} s after the request, and it trained nothing for "
+            f"{r['phases']['without training']:.1f} s. Its largest part is {r['dominant']} "
+            f"({r['phases'][r['dominant']]:.1f} s); the part most over its share is {over} "
+            f"({r['excess'][over]:+.1f} s)")
+    return text + (f": {RESIZE_FIXES[over]}." if r["excess"][over] > 0 else ".")
 
 
 def _resize_plot(result: dict) -> str:
@@ -439,10 +448,11 @@ def _resize_plot(result: dict) -> str:
             left += width
         ax.plot([r["target_seconds"]] * 2, [y - 0.4, y + 0.4], "k--", lw=1.5,
                 label="target" if y == 0 else None)
+        ax.plot([r["pods_seconds"]], [y - 0.45], "kv", ms=6, label="joiners Ready / leavers exited" if y == 0 else None)
     ax.set_yticks(range(len(labels)), labels=labels)
     ax.invert_yaxis()
     ax.set_xlabel("seconds from the scale request")
-    ax.legend(fontsize=7, ncol=4, loc="upper center", bbox_to_anchor=(0.5, -0.25))
+    ax.legend(fontsize=7, ncol=3, loc="upper center", bbox_to_anchor=(0.5, -0.25))
     return save_figure(fig, "resize_cost.png")
 
 
