@@ -54,8 +54,9 @@ labelled ``distflow.io/attempt=a``. Decisions, in order:
    not all created is withdrawn instead: they would be created for that size).
    Exit code 3 (``EXIT_RESIZE``) during or after it, in the attempt, is a
    worker image that stops instead: the stop path below.
-   Stop and restart (an asynchronous job whose trainer nodes change, or a
-   status without ``attemptNodes`` from an older operator): while every node
+   Stop and restart (an asynchronous job whose trainer nodes change, a job
+   whose rollout engine is a colocated vLLM, or a status without
+   ``attemptNodes`` from an older operator): while every node
    pod of the attempt runs, the operator writes ``{"numNodes": N}`` into the
    key ``resize`` (``decision.resize_request``) and waits: the workers save a
    checkpoint at their next step boundary and exit with code 3. The first such

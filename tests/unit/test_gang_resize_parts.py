@@ -119,9 +119,12 @@ def test_a_joiner_whose_gang_finished_first_has_nothing_to_train(tmp_path, capsy
     port = free_port()
     server = dist.TCPStore("127.0.0.1", port, is_master=True, timeout=timedelta(seconds=30))
     server.set(process_group.GENERATION_KEY, "0")
+    from distflow.models import model_cache_dir, resolve_model
+
+    model_dir = str(resolve_model("tiny", model_cache_dir()))
     env = WorkerEnv(rank=2, world_size=3, local_rank=0, local_world_size=1, node_rank=2, num_nodes=3,
-                    master_addr="127.0.0.1", master_port=port, job_name="finished", model_dir="", device_index=0,
-                    join=True)
+                    master_addr="127.0.0.1", master_port=port, job_name="finished", model_dir=model_dir,
+                    device_index=0, join=True)
     got = {}
     joiner = threading.Thread(target=lambda: got.update(env=join(_spec(), env, timeout_s=30)))
     joiner.start()
@@ -147,3 +150,41 @@ def test_the_pause_of_a_resize_is_said_once_and_exported(capsys, monkeypatch):
     assert "the gang runs at 3 nodes from step 5; the resize cost 2.5 s without training" in capsys.readouterr().out
     value = exporter.registry.get_sample_value("distflow_resize_pause_seconds", {"job_name": "paused", "node": "0"})
     assert value == pause
+
+
+def test_a_joiner_takes_the_place_of_a_registration_that_is_gone():
+    # A joiner registered for world 1 and was deleted (a withdrawn grow); the gang, counting it, formed
+    # world 1 at 3 workers when the next grow asked for it: the new pod of that rank joins world 1.
+    port = free_port()
+    server = dist.TCPStore("127.0.0.1", port, is_master=True, timeout=timedelta(seconds=30))
+    server.set(process_group.GENERATION_KEY, "0")
+    server.add(process_group.world_key(1, "ready"), 1)
+    process_group.announce_world(server, 1, 3)
+    client = process_group.join_store("127.0.0.1", port, timeout_s=30)
+    assert process_group.wait_to_join(client, 3, 2, "the gang", 10) == 1
+    # one of another size does not (a shrink formed world 2 without joiners: the next registers for 3)
+    process_group.announce_world(server, 2, 0)
+    got = {}
+    joiner = threading.Thread(target=lambda: got.update(g=process_group.wait_to_join(client, 3, 2, "the gang", 10)))
+    joiner.start()
+    _wait_until(lambda: int(server.add(process_group.world_key(3, "ready"), 0)) == 1)
+    process_group.announce_world(server, 3, 3)
+    joiner.join(10)
+    assert got == {"g": 3}
+
+
+def test_a_joiner_whose_resize_was_set_back_takes_its_registration_back_and_leaves():
+    port = free_port()
+    server = dist.TCPStore("127.0.0.1", port, is_master=True, timeout=timedelta(seconds=30))
+    server.set(process_group.GENERATION_KEY, "0")
+    client = process_group.join_store("127.0.0.1", port, timeout_s=30)
+    wanted = threading.Event()
+    wanted.set()
+    got = {}
+    joiner = threading.Thread(target=lambda: got.update(
+        g=process_group.wait_to_join(client, 3, 2, "the gang", 30, wanted.is_set)))
+    joiner.start()
+    _wait_until(lambda: int(server.add(process_group.world_key(1, "ready"), 0)) == 1)
+    wanted.clear()  # the request no longer asks for 3 nodes
+    joiner.join(10)
+    assert got == {"g": None} and int(server.add(process_group.world_key(1, "ready"), 0)) == 0

@@ -194,6 +194,8 @@ def join(spec: JobSpec, env, timeout_s: float = 3600.0):
     exits 0, as the gang's ranks did.
 
     Raises:
+        SystemExit: ``EXIT_LEFT_POOL`` when the request no longer asks for the size this pod was started
+            for (a resize set back before the gang took it; the operator deletes the pod).
         RuntimeError: no world took this worker within ``timeout_s`` seconds, or one of another size
             (``process_group.wait_to_join``); torch's DistStoreError: no store answered.
     """
@@ -203,18 +205,38 @@ def join(spec: JobSpec, env, timeout_s: float = 3600.0):
         NodeExporter.serving(env.job_name, env.node_rank, env.metrics_port)  # the pod is Ready while it waits
     print(f"distflow: rank {env.rank} waits for the job's store at {env.master_addr}:{env.master_port} to "
           "join the gang", flush=True)
+    _warm_up(env.model_dir)
     store = process_group.join_store(env.master_addr, env.master_port)
+    def wanted() -> bool:  # the request still asks for the size this pod was started for
+        request = read_request(Path(env.resize_file)) if env.resize_file else None
+        return request is None or not request.in_place or request.num_nodes == env.num_nodes
+
     try:
-        generation = process_group.wait_to_join(store, env.world_size, env.rank, "the gang", timeout_s)
+        generation = process_group.wait_to_join(store, env.world_size, env.rank, "the gang", timeout_s, wanted)
     except dist.DistNetworkError as err:  # rank 0's store is gone: its process ended
         print(f"distflow: rank {env.rank}: the job's store closed before a world took this worker ({err}): the "
               "gang finished its last step first (a failed gang is restarted by the operator); nothing to "
               "train here", flush=True)
         return None
+    if generation is None:
+        print(f"distflow: rank {env.rank} leaves before joining: the resize to {env.num_nodes} nodes it was started "
+              "for is no longer asked for", flush=True)
+        raise SystemExit(EXIT_LEFT_POOL)
     device = fsdp.select_device(spec.cluster.device, env.device_index).device
     process_group.reform(device, store, generation, env.rank, env.world_size)
     print(f"distflow: rank {env.rank} joined the gang (world {generation}, {env.world_size} workers)", flush=True)
     return replace(env, join=False, formed=True, generation=generation)
+
+
+def _warm_up(model_dir: str) -> None:
+    """What a joiner's worker first loads, loaded while the gang trains rather than while it waits:
+    the tokenizer and the model's transformers classes (its parameters on the meta device, free).
+    The running workers have them loaded; a joiner's build after the re-form is then as quick as theirs."""
+    from distflow.engines.loading import empty_causal_lm
+    from distflow.models import load_tokenizer
+
+    load_tokenizer(model_dir)
+    empty_causal_lm(model_dir, torch.float32)
 
 
 def collect() -> None:

@@ -134,9 +134,12 @@ def announce_world(store, generation: int, joiners_world_size: int) -> None:
     store.set(world_key(generation, "go"), str(joiners_world_size))
 
 
-def wait_to_join(store, world_size: int, rank: int, what: str, timeout_s: float = 3600.0) -> int:
+def wait_to_join(store, world_size: int, rank: int, what: str, timeout_s: float = 3600.0,
+                 wanted=lambda: True) -> int | None:
     """A process outside the world (a joiner): register as ready for the next world, and wait until
-    the running ranks form one that takes it. Returns that world's generation (then ``reform``).
+    the running ranks form one that takes it. Returns that world's generation (then ``reform``), or
+    None once ``wanted()`` is False (checked every 0.2 s while it waits: the resize it was started for
+    was withdrawn); it then takes its registration back, so no world counts it.
 
     Args:
         store: the job's store (``join_store``).
@@ -148,12 +151,23 @@ def wait_to_join(store, world_size: int, rank: int, what: str, timeout_s: float 
             request and this pod's PET_NNODES disagree).
     """
     deadline = time.monotonic() + timeout_s
+    current = int(store.get(GENERATION_KEY))
+    if current and store.check([world_key(current, "go")]) and int(store.get(world_key(current, "go"))) == world_size:
+        # The running ranks formed the world of this size already, counting a registration that is not
+        # this worker's (a joiner deleted before it joined, when a resize was withdrawn): they wait for
+        # this rank in that world's rendezvous, so it joins it.
+        return current
     while True:
         generation = int(store.get(GENERATION_KEY)) + 1
         store.add(world_key(generation, "ready"), 1)
         print(f"distflow: rank {rank} is ready to join {what} (world {generation})", flush=True)
         key = world_key(generation, "go")
         while not store.check([key]):  # polled: a store's own wait has one fixed timeout
+            if not wanted():
+                store.add(world_key(generation, "ready"), -1)
+                if not store.check([key]):  # else the world formed meanwhile, counting it: join it
+                    return None
+                break
             if time.monotonic() > deadline:
                 raise RuntimeError(f"rank {rank}: no running world took this worker in {timeout_s:.0f} s "
                                    f"(store key {key} never set)")

@@ -30,8 +30,8 @@ EXIT_RESIZE = 3
 """Exit code of a worker that stopped at a step boundary for a resize (checkpoint saved)."""
 
 EXIT_LEFT_POOL = 4
-"""Exit code of a rollout worker that left its pool in an in-place shrink (``distflow.pools.elastic``):
-the others go on without it; its pod is deleted, not restarted."""
+"""Exit code of a worker that left in an in-place shrink, of its rollout pool (``distflow.pools.elastic``)
+or of its gang (``distflow.gang_resize``): the others go on without it; its pod is deleted, not restarted."""
 
 class StoppedForResize(Exception):
     """This node's workers stopped at a step boundary for a resize, checkpoint saved: the node
@@ -44,7 +44,8 @@ class LeftPool(Exception):
 
 
 JOIN_ENV = "DISTFLOW_JOIN"
-"""Environment variable of a pod whose workers join the running job's rollout pool ("1")."""
+"""Environment variable of a pod whose workers join the running job ("1"): its rollout pool
+(``distflow.pools.elastic``), or its gang (``distflow.gang_resize``, a job without pools)."""
 
 RESIZE_KEY = "resize"
 """Key of the job's ConfigMap (and file name in the mounted spec directory)."""

@@ -118,6 +118,8 @@ class DagWorker:
     """This rank left the rollout pool in an in-place shrink (``distflow.pools.elastic``): it exits."""
     reform_to: int | None = None
     """``train`` stopped for an in-place resize of the gang to this many nodes (``distflow.gang_resize``)."""
+    gang: GangResize | None = None
+    """Polled at every step boundary of a job without pools on pods: resize the gang in place."""
     resume_from: str | None = None
     """The checkpoint (``step_N``) this run resumes from, chosen once before the models are
     built, the same on every rank; None: the run starts from the pretrained weights."""
