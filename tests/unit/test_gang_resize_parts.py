@@ -188,3 +188,15 @@ def test_a_joiner_whose_resize_was_set_back_takes_its_registration_back_and_leav
     wanted.clear()  # the request no longer asks for 3 nodes
     joiner.join(10)
     assert got == {"g": None} and int(server.add(process_group.world_key(1, "ready"), 0)) == 0
+
+
+def test_a_pod_that_reads_its_spec_after_an_in_place_resize_starts_at_its_own_size():
+    from distflow.launcher import spec_at_pod_size
+
+    spec = _spec(cluster={"numNodes": 3, "maxNodes": 4})  # the ConfigMap's spec, rewritten for a grow 2 -> 3
+    started = spec_at_pod_size(spec, 2, ResizeRequest(3, in_place=True))
+    assert started.cluster.num_nodes == 2 and started.cluster.max_nodes == 4  # re-forms at 3 at a boundary
+    assert spec_at_pod_size(spec, 3, ResizeRequest(3, in_place=True)) is spec  # a pod of the new size
+    assert spec_at_pod_size(spec, 2, ResizeRequest(3)) is spec  # a stop request: env and spec disagree
+    assert spec_at_pod_size(spec, 2, None) is spec
+    assert spec_at_pod_size(spec, 2, ResizeRequest(4, in_place=True)) is spec  # a request for another size

@@ -21,7 +21,8 @@ from distflow.checkpoint_origin import check_resume
 from distflow.errors import DistflowConfigError, UserFunctionError
 from distflow.preflight import check_prompt_lengths, preflight
 from distflow.progress import StepLinePrinter, progress_printer
-from distflow.resize import EXIT_LEFT_POOL, EXIT_RESIZE, JOIN_ENV, RESIZE_KEY, LeftPool, StoppedForResize
+from distflow.resize import (EXIT_LEFT_POOL, EXIT_RESIZE, JOIN_ENV, RESIZE_KEY, LeftPool, ResizeRequest,
+                             StoppedForResize, read_request)
 from distflow.spec import JobSpec
 
 EXIT_OK = 0
@@ -290,6 +291,17 @@ def node_env_from_environ(environ=os.environ) -> dict[str, int | str]:
     return out
 
 
+def spec_at_pod_size(spec: JobSpec, pet_nnodes: int, request: ResizeRequest | None) -> JobSpec:
+    """The spec a running gang's pod starts with: at its ``PET_NNODES`` when the mounted spec is at
+    the size of an in-place resize the operator asked for after it created the pod (the ConfigMap's
+    spec and request reached the volume before the pod read it); the gang starts at its size and
+    re-forms at the new one at a step boundary (``distflow.gang_resize``). Otherwise ``spec``."""
+    if (request is None or not request.in_place or request.num_nodes != spec.cluster.num_nodes
+            or pet_nnodes == spec.cluster.num_nodes):
+        return spec
+    return spec.model_copy(update={"cluster": spec.cluster.model_copy(update={"num_nodes": pet_nnodes})})
+
+
 def launch_node(spec: JobSpec, job_name: str, environ=os.environ, spec_dir: str | Path | None = None) -> None:
     """Start this node's workers from the pod's environment (blocks).
 
@@ -311,6 +323,12 @@ def launch_node(spec: JobSpec, job_name: str, environ=os.environ, spec_dir: str 
 
     env = node_env_from_environ(environ)
     nnodes, node_rank, nproc = env["PET_NNODES"], env["PET_NODE_RANK"], env["PET_NPROC_PER_NODE"]
+    join = environ.get(JOIN_ENV, "") == "1"
+    if spec_dir is not None and not join:
+        given, spec = spec, spec_at_pod_size(spec, nnodes, read_request(Path(spec_dir) / RESIZE_KEY))
+        if spec is not given and node_rank == 0:
+            print(f"distflow: the job is resizing in place to {given.cluster.num_nodes} nodes; this gang starts at "
+                  f"its {nnodes} (PET_NNODES) and re-forms at a step boundary", flush=True)
     if nnodes != spec.cluster.num_nodes or nproc != spec.cluster.procs_per_node:
         raise DistflowConfigError(
             f"env PET_NNODES={nnodes}, PET_NPROC_PER_NODE={nproc} disagree with spec.cluster "
@@ -328,7 +346,7 @@ def launch_node(spec: JobSpec, job_name: str, environ=os.environ, spec_dir: str 
                      master_addr=str(env["MASTER_ADDR"]), master_port=int(env["MASTER_PORT"]),
                      job_name=job_name, model_dir=model_dir, device_index=0, metrics_port=0,
                      resize_file=str(Path(spec_dir) / RESIZE_KEY) if spec_dir is not None else "",
-                     join=environ.get(JOIN_ENV, "") == "1")
+                     join=join)
     spawn_workers(_node_worker_main, (spec, base, nproc, port), nproc)
 
 
