@@ -174,3 +174,26 @@ def test_attention_backends_fail_when_a_backend_strays_past_the_tolerance(eager_
     out = gpu_check.attention_backends(_ctx("cuda", tmp_path))
     assert out["worst_abs_lp_diff"] == {"dense": 3e-6, "flex": 2e-4, "eager": eager_diff}
     assert out["atol"] == 1e-3 and out["status"] == status
+
+
+def test_every_test_module_the_gpu_check_imports_loads_without_pytest():
+    """The GPU machine has no pytest: modules under tests/ that the parts import (some only inside a
+    function) must not import it at the top (tests/dist/_jobs.py once did and failed ``grpo_0.5b``)."""
+    tree = ast.parse("\n".join(Path(m.__file__).read_text() for m in
+                               (gpu_check, gpu_models, gpu_vllm, importlib.import_module("tests.bench.gpu_runs"),
+                                importlib.import_module("tests.bench.gpu_exchange"))))
+    imports = [node for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)
+               and (node.module or "").startswith("tests.")]
+    modules = sorted({f"{node.module}.{alias.name}" if node.module == "tests.bench" else node.module
+                      for node in imports for alias in node.names})
+    assert {"tests.dist._jobs", "tests.dist._spawn", "tests.bench.gpu_runs"} <= set(modules)
+    blocker = ("import sys, importlib.abc\n"
+               "class NoPytest(importlib.abc.MetaPathFinder):\n"
+               "    def find_spec(self, name, path=None, target=None):\n"
+               "        if name.split('.')[0] in ('pytest', '_pytest'):\n"
+               "            raise ModuleNotFoundError(f'No module named {name!r}')\n"
+               "sys.meta_path.insert(0, NoPytest())\n"
+               f"for m in {modules!r}: importlib.import_module(m)\n")
+    repo = Path(gpu_check.__file__).parents[2]
+    proc = subprocess.run([sys.executable, "-c", blocker], cwd=repo, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
