@@ -6,10 +6,10 @@ the aggregation layer serving external.metrics.k8s.io from KEDA, the
 HorizontalPodAutoscaler controller of kube-controller-manager, the distflow
 operator, and Debian's Prometheus scraping a node exporter of distflow's
 (``NodeExporter``, the class a job's node 0 serves its metrics with) whose
-rollout backlog the test sets. A ScaledObject on the job, with the Prometheus
-trigger of examples/scaledobject.yaml, must move ``spec.cluster.numNodes``
-through the CRD's scale subresource from 2 to 4 when the backlog rises, and
-back to 2 when it falls; the operator's gang follows in place: it creates the new ranks' pods in
+trainer wait the test sets, as an asynchronous run's step metrics give it. A ScaledObject on the job,
+with the Prometheus trigger of examples/scaledobject.yaml (the trainers' busy share, metricType
+Value), must move ``spec.cluster.numNodes`` through the CRD's scale subresource from 2 to 4 when the
+trainers stop waiting, and back to 2 when they wait half the step; the operator's gang follows in place: it creates the new ranks' pods in
 the running attempt for a grow, and deletes the leaving ranks' pods once they exit 4 (played here)
 for a shrink, counting no restart.
 
@@ -41,8 +41,8 @@ pytestmark = [pytest.mark.operator, pytest.mark.keda,
               pytest.mark.skipif(KEDA_BIN is None, reason=f"KEDA not built: {NOT_BUILT}")]
 
 EXAMPLE = REPO / "examples" / "scaledobject.yaml"
-SAMPLES_PER_NODE = 64
-"""The trigger's threshold: the HPA asks for ceil(backlog / 64) nodes, within [2, 4]."""
+STEP_S = 10.0
+"""The step time the node serves; the trainers' wait is a share of it."""
 SCALE_TIMEOUT_S = 180.0
 
 
@@ -63,7 +63,6 @@ def scaled_object(job: str, prometheus_url: str) -> dict:
     trigger["serverAddress"] = prometheus_url
     trigger["query"] = re.sub(r'job_name="[^"]*"', f'job_name="{job}"', trigger["query"])
     trigger["ignoreNullValues"] = "false"  # a query that finds nothing is an error, not 0
-    trigger["threshold"] = str(SAMPLES_PER_NODE)
     doc["spec"].update(pollingInterval=2, minReplicaCount=2, maxReplicaCount=4)
     # No stabilization: HPA's 5-minute scale-down window would outlast the test.
     doc["spec"]["advanced"] = {"horizontalPodAutoscalerConfig": {"behavior": {
@@ -73,18 +72,21 @@ def scaled_object(job: str, prometheus_url: str) -> dict:
     return doc
 
 
-def test_scaled_object_resizes_the_job_on_the_rollout_backlog(control_plane, k8s_namespace, api, operator, keda,
+def test_scaled_object_resizes_the_job_on_the_trainers_busy_share(control_plane, k8s_namespace, api, operator, keda,
                                                               tmp_path, report_figure):
     name = "grpo-keda"
     node0 = NodeExporter(name, node=0, port=(exporter_port := free_port()))
 
-    def push_backlog(samples: float) -> None:
-        node0.observe_step(1, {"async/in_flight_samples": samples}, {}, 0.0, 0.0, 0.0)
+    def push_trainer_wait(share: float) -> None:
+        node0.observe_step(1, {"timing_s/step": STEP_S, "async/trainer_wait_s": share * STEP_S}, {}, 0.0, 0.0, 0.0)
 
-    push_backlog(SAMPLES_PER_NODE)
+    threshold = float(yaml.safe_load(EXAMPLE.read_text())["spec"]["triggers"][0]["metadata"]["threshold"])
+    push_trainer_wait(1 - threshold)  # busy as the target: the HPA keeps the size
     prometheus = Prometheus(tmp_path, {"distflow-nodes": [exporter_port]})
     try:
-        code, body = api.create_job(example_job(name, cluster={"numNodes": 2, "minNodes": 2, "maxNodes": 4}))
+        code, body = api.create_job(example_job(name, cluster={"numNodes": 2, "minNodes": 2, "maxNodes": 4},
+                                                 # every size 2..4 splits the batch: the HPA passes through 3
+                                                 data={"trainBatchSize": 12}))
         assert code == 201, body
         api.wait_phase(name, "Running", timeout_s=60, replicas=2)
         out = control_plane.kubectl("apply", "-n", k8s_namespace, "-f", "-",
@@ -96,28 +98,28 @@ def test_scaled_object_resizes_the_job_on_the_rollout_backlog(control_plane, k8s
         assert (hpa["spec"]["scaleTargetRef"], hpa["spec"]["minReplicas"], hpa["spec"]["maxReplicas"]) == \
             ({"apiVersion": "distflow.io/v1alpha1", "kind": "RLPostTrainJob", "name": name}, 2, 4)
         metric = hpa["spec"]["metrics"][0]["external"]
-        assert metric["target"] == {"type": "AverageValue", "averageValue": str(SAMPLES_PER_NODE)}
+        assert metric["target"]["type"] == "Value" and _quantity(metric["target"]["value"]) == threshold
 
         # Through the aggregation layer, as the HPA controller reads it: Prometheus' answer.
         selector = ",".join(f"{k}={v}" for k, v in metric["metric"]["selector"]["matchLabels"].items())
         path = (f"/apis/external.metrics.k8s.io/v1beta1/namespaces/{k8s_namespace}/"
                 f"{metric['metric']['name']}?labelSelector={selector}")
-        assert _external_value(control_plane, keda, path, SAMPLES_PER_NODE) == SAMPLES_PER_NODE
+        assert _external_value(control_plane, keda, path, threshold) == threshold
 
         started = time.monotonic()
-        push_backlog(3.5 * SAMPLES_PER_NODE)  # ceil(3.5) = 4 nodes
+        push_trainer_wait(0.0)  # busy all step: ceil(2 x 1.0 / 0.8) = 3, then ceil(3 x 1.25) = 4 nodes
         _wait_num_nodes(api, keda, name, 4)
         scaled_up_s = time.monotonic() - started
-        assert _external_value(control_plane, keda, path, 3.5 * SAMPLES_PER_NODE) == 3.5 * SAMPLES_PER_NODE
+        assert _external_value(control_plane, keda, path, 1.0) == 1.0
         _resize_in_place(control_plane, api, k8s_namespace, name, num_nodes=4)
         status = api.wait_phase(name, "Running", timeout_s=90, replicas=4, attempt=1)
         assert status["selector"] == f"app.kubernetes.io/managed-by=distflow-operator,distflow.io/job-name={name}"
 
         started = time.monotonic()
-        push_backlog(0.5 * SAMPLES_PER_NODE)  # ceil(0.5) = 1, held at minReplicaCount 2
+        push_trainer_wait(0.5)  # busy half the step: ceil(4 x 0.625) = 3, then ceil(3 x 0.625) = 2 nodes
         _wait_num_nodes(api, keda, name, 2)
-        report_figure(f"KEDA: numNodes 2 -> 4 in {scaled_up_s:.1f} s after the backlog rose, "
-                      f"4 -> 2 in {time.monotonic() - started:.1f} s after it fell (HPA sync 2 s, scrape 1 s)")
+        report_figure(f"KEDA: numNodes 2 -> 4 in {scaled_up_s:.1f} s after the trainers stopped waiting, "
+                      f"4 -> 2 in {time.monotonic() - started:.1f} s after they waited half the step (HPA sync 2 s, scrape 1 s)")
         _resize_in_place(control_plane, api, k8s_namespace, name, num_nodes=2)
         status = api.wait_phase(name, "Running", timeout_s=90, replicas=2, attempt=1)
         assert api.job(name)["spec"]["cluster"]["numNodes"] == 2 and status["restarts"] == 0
@@ -126,18 +128,23 @@ def test_scaled_object_resizes_the_job_on_the_rollout_backlog(control_plane, k8s
         prometheus.stop()
 
 
+def _play_leaving_ranks(control_plane, api, namespace: str, name: str) -> None:
+    """The workers' part of an in-place shrink, played as kwok runs no runtime: when the ConfigMap asks
+    for fewer nodes in place, the running pods of the ranks past that size exit 4, as at a step
+    boundary (a grow's joining pods kwok runs by itself). The HPA counts ready pods for a Value
+    target, so a size it passes through must lose its pods before it goes on."""
+    data = (api.get("configmaps", f"{name}-config") or {}).get("data") or {}
+    request = json.loads(data["resize"]) if "resize" in data else {}
+    if request.get("inPlace"):
+        for pod in api.live_pods(name, phase="Running"):
+            if int(pod["metadata"]["labels"]["distflow.io/node-rank"]) >= request["numNodes"]:
+                control_plane.set_pod_phase(namespace, pod["metadata"]["name"], "Failed", exit_code=4)
+
+
 def _resize_in_place(control_plane, api, namespace: str, name: str, num_nodes: int) -> None:
-    """The workers' part of in-place resizes, played as kwok runs no runtime, until the gang runs at
-    ``num_nodes`` (the HPA may pass through sizes between): whenever the ConfigMap asks for fewer nodes
-    in place, the running pods of the ranks past that size exit 4, as at a step boundary (a grow's
-    joining pods kwok runs by itself)."""
+    """Play the in-place resizes until the gang runs at ``num_nodes``."""
     def settled() -> bool:
-        data = (api.get("configmaps", f"{name}-config") or {}).get("data") or {}
-        request = json.loads(data["resize"]) if "resize" in data else {}
-        if request.get("inPlace"):
-            for pod in api.live_pods(name, phase="Running"):
-                if int(pod["metadata"]["labels"]["distflow.io/node-rank"]) >= request["numNodes"]:
-                    control_plane.set_pod_phase(namespace, pod["metadata"]["name"], "Failed", exit_code=4)
+        _play_leaving_ranks(control_plane, api, namespace, name)
         status = api.status(name)
         return status.get("attemptNodes") == num_nodes and "resizing" not in status
     wait_for(settled, 90, 1.0, what=lambda: f"the gang resized in place to {num_nodes} ({api.status(name)})")
@@ -167,6 +174,9 @@ def _external_value(control_plane, keda: Keda, path: str, expected: float) -> fl
 
 
 def _wait_num_nodes(api, keda: Keda, name: str, num_nodes: int) -> None:
-    wait_for(lambda: api.job(name)["spec"]["cluster"]["numNodes"] == num_nodes, SCALE_TIMEOUT_S, 1.0,
+    def reached() -> bool:
+        _play_leaving_ranks(api.cp, api, api.ns, name)
+        return api.job(name)["spec"]["cluster"]["numNodes"] == num_nodes
+    wait_for(reached, SCALE_TIMEOUT_S, 1.0,
              what=lambda: (f"spec.cluster.numNodes == {num_nodes} (now {api.job(name)['spec']['cluster']}; HPA "
                            f"{_hpa(api.cp, api.ns, name)}; adapter: {keda.log_tail('keda-adapter', 10)})"))

@@ -10,6 +10,7 @@ import pytest
 import yaml
 
 from distflow.exporter import STEP_GAUGES, NodeExporter
+from distflow.spec import parse_spec
 
 pytestmark = pytest.mark.unit
 
@@ -24,6 +25,12 @@ def test_scaled_object_targets_the_async_example_job_within_its_sizes():
     spec = scaled["spec"]
     assert spec["minReplicaCount"] <= job["spec"]["cluster"]["numNodes"] <= spec["maxReplicaCount"]
     assert spec["minReplicaCount"] > job["spec"]["async"]["rolloutPool"]["numNodes"]
+    # The job's own bounds are the ScaledObject's, and every size between is one the spec accepts.
+    cluster = job["spec"]["cluster"]
+    assert (cluster["minNodes"], cluster["maxNodes"]) == (spec["minReplicaCount"], spec["maxReplicaCount"])
+    for size in range(cluster["minNodes"], cluster["maxNodes"] + 1):
+        doc = {**job["spec"], "cluster": {**cluster, "numNodes": size}}
+        assert parse_spec(doc).cluster.num_nodes == size
 
 
 def test_scaled_object_queries_a_series_the_node_exporter_serves():
