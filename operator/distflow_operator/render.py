@@ -40,6 +40,7 @@ import yaml
 from distflow.errors import DistflowConfigError
 from distflow.resize import JOIN_ENV, RESIZE_KEY
 from distflow.spec import API_GROUP, API_VERSION, KIND, JobSpec, render_spec_document
+from distflow.spec.validation import GPU_RESOURCE
 
 from distflow_operator import MANAGER
 from distflow_operator import podspec
@@ -52,7 +53,6 @@ MASTER_PORT = 29500
 """torch.distributed rendezvous port on node 0 (torchrun's default)."""
 DEFAULT_METRICS_PORT = 9400
 CONTAINER_NAME = "node"
-GPU_RESOURCE = "nvidia.com/gpu"
 
 LABEL_JOB = f"{API_GROUP}/job-name"
 LABEL_RANK = f"{API_GROUP}/node-rank"
@@ -280,26 +280,10 @@ def _volume_problems(spec: JobSpec) -> list[str]:
     return problems
 
 
-def _resource_problems(spec: JobSpec) -> list[str]:
-    problems = []
-    sources = [("spec.template.resources", spec.template.resources)]
-    if spec.async_.enable:
-        sources.append(("spec.async.rolloutPool.resources", spec.async_.rollout_pool.resources))
-    for field, resources in sources:
-        for kind in ("requests", "limits"):
-            section = resources.get(kind)
-            if section is not None and not isinstance(section, dict):
-                problems.append(f"{field}.{kind}: expected a mapping of resource -> quantity")
-            elif section and GPU_RESOURCE in section:
-                problems.append(f"{field}.{kind}.{GPU_RESOURCE}: set spec.cluster.acceleratorsPerNode "
-                                f"instead; the operator adds it")
-    return problems
-
-
 def template_problems(spec: JobSpec) -> list[str]:
     """Problems in spec.template that make the pods impossible to render, each naming its field."""
     operator_keys = (*NODE_LABEL_KEYS, *GANG_METADATA_KEYS)
-    return (_env_problems(spec) + _volume_problems(spec) + _resource_problems(spec)
+    return (_env_problems(spec) + _volume_problems(spec)
             + podspec.metadata_problems(spec, operator_keys))
 
 
@@ -416,7 +400,8 @@ def build_node_pod(spec: JobSpec, owner: JobRef, rank: int, attempt: int, joinin
 
     Raises:
         DistflowConfigError: spec.template sets an operator env name, a reserved
-            volume name, label or annotation, or nvidia.com/gpu (see :func:`template_problems`).
+            volume name, label or annotation (see :func:`template_problems`; an nvidia.com/gpu count
+            the spec's own checks refuse, ``distflow.spec.validation``).
     """
     assert 0 <= rank < spec.cluster.num_nodes and attempt >= 1
     problems = template_problems(spec)

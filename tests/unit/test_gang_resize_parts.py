@@ -7,6 +7,7 @@ import threading
 from datetime import timedelta
 
 import pytest
+import yaml
 import torch.distributed as dist
 
 from distflow import process_group
@@ -200,3 +201,22 @@ def test_a_pod_that_reads_its_spec_after_an_in_place_resize_starts_at_its_own_si
     assert spec_at_pod_size(spec, 2, ResizeRequest(3)) is spec  # a stop request: env and spec disagree
     assert spec_at_pod_size(spec, 2, None) is spec
     assert spec_at_pod_size(spec, 2, ResizeRequest(4, in_place=True)) is spec  # a request for another size
+
+
+@pytest.mark.parametrize("cluster, checkpoint, warned", [
+    ({"numNodes": 2, "minNodes": 2, "maxNodes": 4}, {}, True),
+    ({"numNodes": 2, "minNodes": 2, "maxNodes": 4}, {"dir": "ckpt"}, False),
+])
+def test_validate_warns_that_a_resizable_job_without_checkpoint_dir_starts_over(cluster, checkpoint, warned,
+                                                                                 tmp_path, capsys):
+    from distflow import cli
+
+    config = tmp_path / "job.yaml"
+    config.write_text(yaml.safe_dump({
+        "model": {"path": "tiny"}, "data": {"train": {"path": "arithmetic"}, "trainBatchSize": 4},
+        "cluster": cluster, "checkpoint": {k: str(tmp_path / v) for k, v in checkpoint.items()}}))
+    assert cli.main(["validate", str(config)]) == 0
+    err = capsys.readouterr().err
+    assert (err == "distflow: warning: cluster.minNodes/maxNodes let the job be resized (kubectl scale, an "
+                   "autoscaler), but without checkpoint.dir a resize starts the training over at step 0; set "
+                   "checkpoint.dir (a volume every node pod mounts)\n") if warned else err == ""

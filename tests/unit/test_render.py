@@ -114,14 +114,24 @@ def test_env_that_collides_with_rank_variables_is_rejected_naming_the_field(name
         render.build_node_pod(spec, OWNER, 0, 1)
 
 
-def test_reserved_volume_names_nameless_env_and_gpu_overrides_are_rejected():
-    spec = make_spec(template={"env": [{"value": "1"}], "volumes": [{"name": "dshm", "emptyDir": {}}],
-                               "resources": {"limits": {"nvidia.com/gpu": "8"}}})
+def test_reserved_volume_names_and_nameless_env_are_rejected():
+    spec = make_spec(template={"env": [{"value": "1"}], "volumes": [{"name": "dshm", "emptyDir": {}}]})
     assert render.template_problems(spec) == [
         "spec.template.env[0].name: each env entry needs a name; add one",
-        "spec.template.volumes[0].name: dshm is used by the operator; pick another name",
-        "spec.template.resources.limits.nvidia.com/gpu: set spec.cluster.acceleratorsPerNode instead; "
-        "the operator adds it"]
+        "spec.template.volumes[0].name: dshm is used by the operator; pick another name"]
+
+
+@pytest.mark.parametrize("field", ["template", "rolloutPool"])
+def test_a_gpu_count_in_pod_resources_is_refused_by_the_spec_itself(field):
+    """The spec's checks, not the operator's rendering: `distflow validate` says it before any apply."""
+    resources = {"limits": {"nvidia.com/gpu": "8"}}
+    sections = ({"template": {"resources": resources}} if field == "template" else
+                {"cluster": {"numNodes": 3}, "async": {"enable": True, "rolloutPool": {"resources": resources}}})
+    path = "spec.template.resources" if field == "template" else "spec.async.rolloutPool.resources"
+    with pytest.raises(DistflowConfigError) as err:
+        make_spec(**sections)
+    assert err.value.problems == [f"{path}.limits.nvidia.com/gpu: set cluster.acceleratorsPerNode instead "
+                                  "(the operator adds nvidia.com/gpu to every node pod from it); remove it here"]
 
 
 def test_config_map_holds_the_spec_without_its_defaults_and_parses_back_equal():

@@ -88,15 +88,6 @@ def test_rollout_pods_never_alias_the_spec():
     assert spec.async_.rollout_pool.resources["requests"] == {"cpu": "8"}
 
 
-def test_gpu_in_the_rollout_pools_resources_is_rejected_naming_the_field():
-    spec = async_spec(rollout_pool={"numNodes": 1, "resources": {"limits": {"nvidia.com/gpu": "4"}}})
-    assert render.template_problems(spec) == [
-        "spec.async.rolloutPool.resources.limits.nvidia.com/gpu: set spec.cluster.acceleratorsPerNode "
-        "instead; the operator adds it"]
-    with pytest.raises(DistflowConfigError, match=r"spec\.async\.rolloutPool\.resources\.limits"):
-        render.build_node_pod(spec, OWNER, 0, 1)
-
-
 def test_pool_label_in_the_template_is_rejected():
     spec = async_spec(template={"labels": {"distflow.io/pool": "rollout"}})
     assert render.template_problems(spec)[0].startswith("spec.template.labels.distflow.io/pool: set by the operator")

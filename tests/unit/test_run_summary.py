@@ -38,3 +38,11 @@ def test_without_a_held_out_set_it_says_the_step_reached_and_where_the_output_is
 
 def test_nothing_to_say_without_a_metrics_file(tmp_path):
     assert run_summary(_spec(tmp_path)) is None
+
+
+def test_a_run_whose_checkpoint_is_past_total_steps_says_so_not_step_5_of_4(tmp_path):
+    """A run that trained 5 steps, started again with totalSteps 4 ("nothing to train")."""
+    _write(tmp_path, [{"training/step": s} for s in range(1, 6)])
+    assert run_summary(_spec(tmp_path, eval=None)) == (
+        f"trained to step 5, past trainer.totalSteps (4); metrics in {tmp_path}/run/metrics.jsonl, checkpoints "
+        f"in {tmp_path}/run/ck (no held-out score: data.eval is not set)")

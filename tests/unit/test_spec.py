@@ -53,6 +53,11 @@ def test_camel_and_snake_case_are_both_accepted():
     # YAML 1.1 reads yes/no/on/off as true/false: a choice of words says to quote it
     ({**MINIMAL, "async": {"offPolicyCorrection": True}}, "spec.async.offPolicyCorrection",
      "(got True); quote it: YAML reads yes, no, on and off as true and false"),
+    # a word not among the choices: the closest choice, else the choices
+    ({**MINIMAL, "async": {"offPolicyCorrection": "TIS"}}, "spec.async.offPolicyCorrection",
+     "(got 'TIS'); did you mean 'tis'?"),
+    ({**MINIMAL, "async": {"offPolicyCorrection": "foo"}}, "spec.async.offPolicyCorrection",
+     "(got 'foo'); use one of 'tis', 'none'"),
     ({**MINIMAL, "async": {"tisCap": 0.5}}, "spec.async.tisCap", "(got 0.5); use a value >= 1"),
     ({**MINIMAL, "async": {"tisCap": float("inf")}}, "spec.async.tisCap", "use a finite number"),
     # YAML 1.1 reads 1e3 as text: say what to write

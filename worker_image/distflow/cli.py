@@ -98,8 +98,9 @@ def run_summary(spec: JobSpec) -> str | None:
     if not steps:
         return None
     saved = f", checkpoints in {spec.checkpoint.dir}" if spec.checkpoint.dir else ""
-    return (f"trained to step {max(steps)} of {spec.trainer.total_steps}; metrics in {metrics}{saved} "
-            "(no held-out score: data.eval is not set)")
+    last, total = max(steps), spec.trainer.total_steps
+    reached = f"step {last} of {total}" if last <= total else f"step {last}, past trainer.totalSteps ({total})"
+    return f"trained to {reached}; metrics in {metrics}{saved} (no held-out score: data.eval is not set)"
 
 
 def cmd_plan(args) -> int:
@@ -124,6 +125,8 @@ def cmd_validate(args) -> int:
         # What `distflow run` refuses at its start: a checkpoint made from another model or workflow
         # (the model's shape is compared there, once the model is resolved).
         check_resume(spec, None)
+    for warning in resize_warnings(spec):
+        print(f"distflow: warning: {warning}", file=sys.stderr)
     workers = f"{spec.world_size} workers"
     if spec.async_.enable:
         rollout = spec.async_.rollout_pool.num_nodes * spec.cluster.procs_per_node
@@ -133,6 +136,17 @@ def cmd_validate(args) -> int:
         workers += ","
     print(f"{args.config}: valid ({workers} workflow {spec.workflow.name if not spec.workflow.nodes else 'custom'})")
     return EXIT_OK
+
+
+def resize_warnings(spec) -> list[str]:
+    """What a valid spec loses when it is resized: bounds (``cluster.minNodes``/``maxNodes``) say the job
+    may be resized, and a resize resumes from the step's checkpoint, which needs ``checkpoint.dir``."""
+    cluster = spec.cluster
+    if (cluster.min_nodes is None and cluster.max_nodes is None) or spec.checkpoint.dir:
+        return []
+    return ["cluster.minNodes/maxNodes let the job be resized (kubectl scale, an autoscaler), but without "
+            "checkpoint.dir a resize starts the training over at step 0; set checkpoint.dir (a volume every "
+            "node pod mounts)"]
 
 
 def cmd_node(args) -> int:

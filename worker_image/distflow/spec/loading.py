@@ -140,6 +140,10 @@ def _fix_for(error_type: str, ctx: dict, given: Any = None) -> str | None:
     fix = _TYPE_FIXES.get(error_type)
     if error_type == "literal_error" and isinstance(given, bool):
         return "quote it: YAML reads yes, no, on and off as true and false"
+    if error_type == "literal_error" and isinstance(given, str):
+        choices = re.findall(r"'([^']*)'", ctx.get("expected", ""))
+        close = difflib.get_close_matches(given.lower(), choices, n=1, cutoff=0.5)
+        return f"did you mean {close[0]!r}?" if close else f"use one of {', '.join(map(repr, choices))}"
     if error_type == "int_parsing" and isinstance(given, str):
         try:
             number = float(given)

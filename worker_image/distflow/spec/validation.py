@@ -84,6 +84,7 @@ def size_problems(spec: JobSpec):
     yield from _multi_turn_problems(spec)
     yield from _source_problems(spec)
     yield from _device_problems(spec)
+    yield from _pod_resource_problems(spec)
     estimator = spec.algorithm.advantage_estimator
     if estimator in GROUP_ESTIMATORS and spec.rollout.n < 2:
         yield (f"rollout.n: {estimator} compares each response with the others of its prompt, so with "
@@ -92,6 +93,27 @@ def size_problems(spec: JobSpec):
         yield (f"rollout.temperature: 0 is greedy, so the {spec.rollout.n} responses of a prompt are identical "
                f"and every {estimator} advantage is 0 (nothing is learned); sample with a temperature > 0 "
                f"(1.0 is usual)")
+
+
+GPU_RESOURCE = "nvidia.com/gpu"
+"""The accelerator resource the operator adds to each node pod from cluster.acceleratorsPerNode."""
+
+
+def _pod_resource_problems(spec: JobSpec):
+    """The node pods' container resources (Kubernetes): mappings of resource -> quantity, without the
+    accelerator count, which the operator sets from ``cluster.acceleratorsPerNode`` (a second count in
+    the template would disagree with the workers' device plan)."""
+    sources = [("template.resources", spec.template.resources)]
+    if spec.async_.enable:
+        sources.append(("async.rolloutPool.resources", spec.async_.rollout_pool.resources))
+    for field, resources in sources:
+        for kind in ("requests", "limits"):
+            section = resources.get(kind)
+            if section is not None and not isinstance(section, dict):
+                yield f"{field}.{kind}: expected a mapping of resource -> quantity, got {type(section).__name__}"
+            elif section and GPU_RESOURCE in section:
+                yield (f"{field}.{kind}.{GPU_RESOURCE}: set cluster.acceleratorsPerNode instead "
+                       f"(the operator adds {GPU_RESOURCE} to every node pod from it); remove it here")
 
 
 def _pool_problems(spec: JobSpec):
