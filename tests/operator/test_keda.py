@@ -6,10 +6,12 @@ the aggregation layer serving external.metrics.k8s.io from KEDA, the
 HorizontalPodAutoscaler controller of kube-controller-manager, the distflow
 operator, and Debian's Prometheus scraping a node exporter of distflow's
 (``NodeExporter``, the class a job's node 0 serves its metrics with) whose
-trainer wait the test sets, as an asynchronous run's step metrics give it. A ScaledObject on the job,
-with the Prometheus trigger of examples/scaledobject.yaml (the trainers' busy share, metricType
-Value), must move ``spec.cluster.numNodes`` through the CRD's scale subresource from 2 to 4 when the
-trainers stop waiting, and back to 2 when they wait half the step; the operator's gang follows in place: it creates the new ranks' pods in
+stage times the test sets (an asynchronous run's train and generate stages). A ScaledObject on the
+job, with the Prometheus trigger of examples/scaledobject.yaml (train time over generate time,
+metricType Value), must move ``spec.cluster.numNodes`` through the CRD's scale subresource from 2 to 4
+when training takes 1.5x the rollout's time, and back to 2 when it takes 0.6x. The job here is
+synchronous (kwok runs no runtime; an asynchronous job's trainer resize, a stop and a gang restart, is
+tests/unit/test_policy_pool_resize.py's and the exit-3 path of tests/operator/test_operator_resize.py), so the operator's gang follows in place: it creates the new ranks' pods in
 the running attempt for a grow, and deletes the leaving ranks' pods once they exit 4 (played here)
 for a shrink, counting no restart.
 
@@ -72,16 +74,17 @@ def scaled_object(job: str, prometheus_url: str) -> dict:
     return doc
 
 
-def test_scaled_object_resizes_the_job_on_the_trainers_busy_share(control_plane, k8s_namespace, api, operator, keda,
+def test_scaled_object_resizes_the_job_on_train_over_generate_time(control_plane, k8s_namespace, api, operator, keda,
                                                               tmp_path, report_figure):
     name = "grpo-keda"
     node0 = NodeExporter(name, node=0, port=(exporter_port := free_port()))
 
-    def push_trainer_wait(share: float) -> None:
-        node0.observe_step(1, {"timing_s/step": STEP_S, "async/trainer_wait_s": share * STEP_S}, {}, 0.0, 0.0, 0.0)
+    def push_train_over_generate(ratio: float) -> None:
+        node0.observe_step(1, {"timing_s/step": STEP_S, "timing_s/train": STEP_S,
+                               "timing_s/generate": STEP_S / ratio}, {}, 0.0, 0.0, 0.0)
 
     threshold = float(yaml.safe_load(EXAMPLE.read_text())["spec"]["triggers"][0]["metadata"]["threshold"])
-    push_trainer_wait(1 - threshold)  # busy as the target: the HPA keeps the size
+    push_train_over_generate(threshold)  # the pools keep pace: the HPA keeps the size
     prometheus = Prometheus(tmp_path, {"distflow-nodes": [exporter_port]})
     try:
         code, body = api.create_job(example_job(name, cluster={"numNodes": 2, "minNodes": 2, "maxNodes": 4},
@@ -107,19 +110,19 @@ def test_scaled_object_resizes_the_job_on_the_trainers_busy_share(control_plane,
         assert _external_value(control_plane, keda, path, threshold) == threshold
 
         started = time.monotonic()
-        push_trainer_wait(0.0)  # busy all step: ceil(2 x 1.0 / 0.8) = 3, then ceil(3 x 1.25) = 4 nodes
+        push_train_over_generate(1.5)  # ceil(2 x 1.5) = 3, then ceil(3 x 1.5) = 5, held at 4 nodes
         _wait_num_nodes(api, keda, name, 4)
         scaled_up_s = time.monotonic() - started
-        assert _external_value(control_plane, keda, path, 1.0) == 1.0
+        assert _external_value(control_plane, keda, path, 1.5) == 1.5
         _resize_in_place(control_plane, api, k8s_namespace, name, num_nodes=4)
         status = api.wait_phase(name, "Running", timeout_s=90, replicas=4, attempt=1)
         assert status["selector"] == f"app.kubernetes.io/managed-by=distflow-operator,distflow.io/job-name={name}"
 
         started = time.monotonic()
-        push_trainer_wait(0.5)  # busy half the step: ceil(4 x 0.625) = 3, then ceil(3 x 0.625) = 2 nodes
+        push_train_over_generate(0.6)  # ceil(4 x 0.6) = 3, then ceil(3 x 0.6) = 2 nodes
         _wait_num_nodes(api, keda, name, 2)
-        report_figure(f"KEDA: numNodes 2 -> 4 in {scaled_up_s:.1f} s after the trainers stopped waiting, "
-                      f"4 -> 2 in {time.monotonic() - started:.1f} s after they waited half the step (HPA sync 2 s, scrape 1 s)")
+        report_figure(f"KEDA: numNodes 2 -> 4 in {scaled_up_s:.1f} s after training took 1.5 x the rollout's time, "
+                      f"4 -> 2 in {time.monotonic() - started:.1f} s after it took 0.6 x (HPA sync 2 s, scrape 1 s)")
         _resize_in_place(control_plane, api, k8s_namespace, name, num_nodes=2)
         status = api.wait_phase(name, "Running", timeout_s=90, replicas=2, attempt=1)
         assert api.job(name)["spec"]["cluster"]["numNodes"] == 2 and status["restarts"] == 0

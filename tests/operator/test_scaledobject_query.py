@@ -1,15 +1,17 @@
 """examples/scaledobject.yaml's query, run by a real Prometheus on what an asynchronous job's nodes serve,
-moves the job across its whole size range as the HorizontalPodAutoscaler would.
+moves the job to the size where its two pools keep pace, as the HorizontalPodAutoscaler would.
 
 KEDA hands the query's value to the HPA as an external metric; with ``metricType: Value`` the HPA asks
 for ceil(ready pods x value / threshold) nodes, unless value / threshold is within its 10% tolerance
 of 1, clamped to [minReplicaCount, maxReplicaCount] (kube-controller-manager's replica calculator,
-``GetExternalMetricReplicas``). The test serves a three-node job's series (``NodeExporter``, as each
-node pod does, with the step metrics of an asynchronous run), has Debian's Prometheus scrape them and
-evaluate the example's query, and iterates the HPA's rule: trainers busy the whole step must reach
-maxReplicaCount, trainers waiting half of it minReplicaCount, and a job that serves nothing (its gang
-restarting) keeps its size. (A query that sums a job-wide value over the nodes could not: the first
-example's stopped at 3 of 5.) KEDA itself reads the same query in tests/operator/test_keda.py (-m keda).
+``GetExternalMetricReplicas``). The test serves a job's series (``NodeExporter`` on each node, as each
+node pod does) from a model of the two overlapped pools: the rollout pool generates a step in G
+seconds, the T trainer nodes train it in W / T, and on top of both the sample transfer and the weight
+sync cost the same at every size. Debian's Prometheus scrapes them and evaluates the example's query,
+and the test iterates the HPA's rule: trainers slower than the rollout grow the job to the trainer
+count that keeps pace (or maxReplicaCount), faster ones shrink it, and the transfer cost moves
+nothing. (The first example's summed rollout backlog could not: it stopped at 3 of 5.) KEDA itself
+reads the same query in tests/operator/test_keda.py (-m keda).
 """
 
 from __future__ import annotations
@@ -28,7 +30,8 @@ pytestmark = pytest.mark.operator
 
 HPA_TOLERANCE = 0.1
 """kube-controller-manager's default --horizontal-pod-autoscaler-tolerance."""
-STEP_S = 10.0
+OVERHEAD_S = 0.4
+"""Sample transfer and weight sync per step, at every size: in neither stage."""
 
 
 def hpa_size(current: int, value: float, threshold: float, low: int, high: int) -> int:
@@ -38,7 +41,7 @@ def hpa_size(current: int, value: float, threshold: float, low: int, high: int) 
     return min(high, max(low, wanted))
 
 
-def test_the_example_query_takes_the_async_job_to_its_max_and_min_size(tmp_path):
+def test_the_example_query_sizes_the_async_job_where_its_pools_keep_pace(tmp_path):
     scaled = yaml.safe_load((REPO / "examples" / "scaledobject.yaml").read_text())
     job = yaml.safe_load((REPO / "examples" / "rljob-async.yaml").read_text())
     trigger = scaled["spec"]["triggers"][0]
@@ -47,46 +50,50 @@ def test_the_example_query_takes_the_async_job_to_its_max_and_min_size(tmp_path)
     low, high = scaled["spec"]["minReplicaCount"], scaled["spec"]["maxReplicaCount"]
     cluster = job["spec"]["cluster"]
     assert (low, high) == (cluster["minNodes"], cluster["maxNodes"])
-    name, nodes = job["metadata"]["name"], cluster["numNodes"]
-    staleness, batch, n = (job["spec"]["async"]["maxStaleness"], job["spec"]["data"]["trainBatchSize"],
-                           job["spec"]["rollout"]["n"])
+    name, rollout_nodes = job["metadata"]["name"], job["spec"]["async"]["rolloutPool"]["numNodes"]
 
-    ports = [free_port() for _ in range(nodes)]
+    ports = [free_port() for _ in range(high)]
     exporters = [NodeExporter(name, node, port) for node, port in enumerate(ports)]
+    step = 0
 
-    def serve(trainer_wait_s: float, step: int) -> None:
-        # One step's global metrics, the same on every node; the backlog full when the trainers never wait.
-        in_flight = staleness * batch * n if trainer_wait_s == 0 else 0
+    def value(size: int, train_s_one_node: float, generate_s: float) -> float:
+        """Serve one step of the pools at ``size`` nodes (every node serves the job's global metrics;
+        nodes past the size serve the same, as a ready pod would), then read the query once scraped."""
+        nonlocal step
+        step += 1
+        train_s = train_s_one_node / (size - rollout_nodes)
+        metrics = {"timing_s/train": train_s, "timing_s/generate": generate_s,
+                   "timing_s/step": max(train_s, generate_s) + OVERHEAD_S,
+                   "async/trainer_wait_s": max(0.0, generate_s - train_s) + OVERHEAD_S}
         for exporter in exporters:
-            exporter.observe_step(step, {"timing_s/step": STEP_S, "async/trainer_wait_s": trainer_wait_s,
-                                         "async/in_flight_samples": float(in_flight)}, {}, 100.0, 0.0, 0.0)
+            exporter.observe_step(step, metrics, {}, 100.0, 0.0, 0.0)
 
-    def value(expr: str, expected_step: int) -> float:
         def read() -> float | None:
-            step = prometheus.api("query", query=f'max(distflow_step{{job_name="{name}"}})')["result"]
-            if not step or int(float(step[0]["value"][1])) != expected_step:
-                return None  # not scraped since the step changed
-            (sample,) = prometheus.api("query", query=expr)["result"]
+            seen = prometheus.api("query", query=f'min(distflow_step{{job_name="{name}"}})')["result"]
+            if not seen or int(float(seen[0]["value"][1])) != step:
+                return None  # not every node scraped since this step
+            (sample,) = prometheus.api("query", query=query)["result"]
             return float(sample["value"][1])
-        return wait_for(read, 30, 0.5, what=f"{expr} after step {expected_step}")
+        return wait_for(read, 30, 0.5, what=f"{query} after step {step}")
+
+    def settle(size: int, train_s_one_node: float, generate_s: float) -> list[int]:
+        sizes = [size]
+        while (nxt := hpa_size(size, value(size, train_s_one_node, generate_s), threshold, low, high)) != size:
+            sizes.append(size := nxt)
+            assert len(sizes) < 8, f"no settled size: {sizes}"
+        return sizes
 
     prometheus = Prometheus(tmp_path, {"distflow-nodes": ports})
     try:
-        serve(0.0, step=1)
-        wait_for(lambda: scraped(prometheus, "distflow-nodes", nodes), 30, 0.5, what="every node scraped")
-        sizes, size = [nodes], nodes
-        while True:  # trainers busy the whole step: grow until maxReplicaCount
-            grown = hpa_size(size, value(query, 1), threshold, low, high)
-            if grown == size:
-                break
-            sizes.append(size := grown)
-        assert sizes == [3, 4, 5], sizes
-
-        serve(0.5 * STEP_S, step=2)  # trainers wait half the step: shrink to minReplicaCount
-        while (shrunk := hpa_size(size, value(query, 2), threshold, low, high)) != size:
-            sizes.append(size := shrunk)
-        assert sizes == [3, 4, 5, 4, 3], sizes
-
+        wait_for(lambda: scraped(prometheus, "distflow-nodes", high), 30, 0.5, what="every node scraped")
+        # Training a step takes 3 s on one trainer node, generating it 1 s: 3 trainers keep pace.
+        # 2 trainers: 1.5 -> ceil(3 x 1.5) = 5 nodes; 4: 0.75 -> ceil(5 x 0.75) = 4; 3 trainers: 1.0, held.
+        assert settle(3, 3.0, 1.0) == [3, 5, 4]
+        # The rollout slows down (longer responses, 2 s): 3 trainers train in half its time.
+        # 0.5 -> ceil(4 x 0.5) = 2, held at minReplicaCount 3; 2 trainers: 0.75 -> ceil(2.25) = 3.
+        assert settle(4, 3.0, 2.0) == [4, 3]
+        # Trainers far behind (a larger model, 10 s on one node): maxReplicaCount and held there.
+        assert settle(3, 10.0, 1.0) == [3, 5]
         # No series of the job (every node pod gone while the gang restarts): the size holds.
         gone = query.replace(f'job_name="{name}"', 'job_name="restarting"')
         (sample,) = prometheus.api("query", query=gone)["result"]

@@ -206,6 +206,7 @@ def test_a_pod_that_reads_its_spec_after_an_in_place_resize_starts_at_its_own_si
 @pytest.mark.parametrize("cluster, checkpoint, warned", [
     ({"numNodes": 2, "minNodes": 2, "maxNodes": 4}, {}, True),
     ({"numNodes": 2, "minNodes": 2, "maxNodes": 4}, {"dir": "ckpt"}, False),
+    ({"numNodes": 2, "minNodes": 2, "maxNodes": 2}, {}, False),  # the bounds pin the size
 ])
 def test_validate_warns_that_a_resizable_job_without_checkpoint_dir_starts_over(cluster, checkpoint, warned,
                                                                                  tmp_path, capsys):

@@ -51,8 +51,12 @@ def test_camel_and_snake_case_are_both_accepted():
     ({**MINIMAL, "async": True}, "spec.async",
      "expected a section, a mapping of its fields (got True); use e.g. async: {enable: ..."),
     # YAML 1.1 reads yes/no/on/off as true/false: a choice of words says to quote it
+    # ... and a word that is no choice, quoted or not, gets the choices (off: none)
     ({**MINIMAL, "async": {"offPolicyCorrection": True}}, "spec.async.offPolicyCorrection",
-     "(got True); quote it: YAML reads yes, no, on and off as true and false"),
+     "(got True); YAML reads yes, no, on and off as true and false, and none of them is a choice here; "
+     "use one of 'tis', 'none'"),
+    ({**MINIMAL, "async": {"offPolicyCorrection": False}}, "spec.async.offPolicyCorrection",
+     "(got False); YAML reads no and off as false; to turn it off, use 'none'"),
     # a word not among the choices: the closest choice, else the choices
     ({**MINIMAL, "async": {"offPolicyCorrection": "TIS"}}, "spec.async.offPolicyCorrection",
      "(got 'TIS'); did you mean 'tis'?"),

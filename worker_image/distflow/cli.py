@@ -144,6 +144,8 @@ def resize_warnings(spec) -> list[str]:
     cluster = spec.cluster
     if (cluster.min_nodes is None and cluster.max_nodes is None) or spec.checkpoint.dir:
         return []
+    if cluster.min_nodes == cluster.max_nodes == cluster.num_nodes:  # the bounds pin the size
+        return []
     return ["cluster.minNodes/maxNodes let the job be resized (kubectl scale, an autoscaler), but without "
             "checkpoint.dir a resize starts the training over at step 0; set checkpoint.dir (a volume every "
             "node pod mounts)"]

@@ -138,10 +138,13 @@ def _fix_for(error_type: str, ctx: dict, given: Any = None) -> str | None:
         op, key = _BOUNDS[error_type]
         return f"use a value {op} {ctx[key]}" if key in ctx else None
     fix = _TYPE_FIXES.get(error_type)
+    choices = re.findall(r"'([^']*)'", ctx.get("expected", "")) if error_type == "literal_error" else []
     if error_type == "literal_error" and isinstance(given, bool):
-        return "quote it: YAML reads yes, no, on and off as true and false"
+        if not given and "none" in choices:
+            return "YAML reads no and off as false; to turn it off, use 'none'"
+        return (f"YAML reads yes, no, on and off as true and false, and none of them is a choice here; "
+                f"use one of {', '.join(map(repr, choices))}")
     if error_type == "literal_error" and isinstance(given, str):
-        choices = re.findall(r"'([^']*)'", ctx.get("expected", ""))
         close = difflib.get_close_matches(given.lower(), choices, n=1, cutoff=0.5)
         return f"did you mean {close[0]!r}?" if close else f"use one of {', '.join(map(repr, choices))}"
     if error_type == "int_parsing" and isinstance(given, str):
