@@ -69,7 +69,12 @@ def test_camel_and_snake_case_are_both_accepted():
      "(got '1e3'); use a whole number: 1000 (YAML reads 1e3 as text)"),
     ({**MINIMAL, "rollout": {"temperature": "hot"}}, "spec.rollout.temperature", "got 'hot'"),
     ({**MINIMAL, "algorithm": {"advantageEstimator": "ppo2"}}, "spec.algorithm.advantageEstimator",
-     "choose one of grpo"),
+     "unknown 'ppo2'; choose one of grpo"),
+    # a choice checked by the model (not a Literal): the closest choice whatever its case, and all
+    ({**MINIMAL, "algorithm": {"advantageEstimator": "GRPO"}}, "spec.algorithm.advantageEstimator",
+     "unknown 'GRPO'; did you mean 'grpo'? choose one of grpo, drgrpo, rloo"),
+    ({**MINIMAL, "algorithm": {"klLossType": "lowvar_kl"}}, "spec.algorithm.klLossType",
+     "did you mean 'low_var_kl'?"),
     ({**MINIMAL, "algorithm": {"lossAggMode": "mean"}}, "spec.algorithm.lossAggMode", "token-mean"),
     ({**MINIMAL, "cluster": {"numNodes": 2}, "data": {"train": {"path": "x"}, "trainBatchSize": 3}},
      "spec.data.trainBatchSize", "multiple of 2"),

@@ -32,6 +32,7 @@ from pydantic.alias_generators import to_camel
 
 from distflow.errors import DistflowConfigError
 from distflow.spec.models import WORKFLOW_DEFAULTS, JobSpec
+from distflow.spec.validation import closest_choice
 
 API_GROUP = "distflow.io"
 API_VERSION = "v1alpha1"
@@ -145,8 +146,8 @@ def _fix_for(error_type: str, ctx: dict, given: Any = None) -> str | None:
         return (f"YAML reads yes, no, on and off as true and false, and none of them is a choice here; "
                 f"use one of {', '.join(map(repr, choices))}")
     if error_type == "literal_error" and isinstance(given, str):
-        close = difflib.get_close_matches(given.lower(), choices, n=1, cutoff=0.5)
-        return f"did you mean {close[0]!r}?" if close else f"use one of {', '.join(map(repr, choices))}"
+        close = closest_choice(given, choices)
+        return f"did you mean {close!r}?" if close else f"use one of {', '.join(map(repr, choices))}"
     if error_type == "int_parsing" and isinstance(given, str):
         try:
             number = float(given)

@@ -8,6 +8,7 @@ prefixes the root). The operator's CRD mirrors the size checks as CEL rules
 
 from __future__ import annotations
 
+import difflib
 from typing import TYPE_CHECKING
 
 from distflow.names import ARITHMETIC_SPLITS, BUILTIN_REWARDS, GROUP_ESTIMATORS, TINY_TOKENIZERS
@@ -17,9 +18,22 @@ if TYPE_CHECKING:
     from distflow.spec.models import JobSpec
 
 
+def closest_choice(given: str, choices) -> str | None:
+    """The choice a misspelt ``given`` most likely meant, ignoring case (``'GRPO'`` -> ``'grpo'``,
+    ``'TIS'`` -> ``'tis'``), or None when none is close (difflib's ratio under 0.6: 'ppo2' is not 'grpo')."""
+    by_lower = {choice.lower(): choice for choice in choices}
+    close = difflib.get_close_matches(given.lower(), list(by_lower), n=1, cutoff=0.6)
+    return by_lower[close[0]] if close else None
+
+
 def check_choice(path: str, value: str, choices: tuple[str, ...]) -> None:
+    """Raises:
+        ValueError: ``value`` is not one of ``choices``; names the closest choice, and all of them.
+    """
     if value not in choices:
-        raise ValueError(f"{path}: unknown {value!r}; choose one of {', '.join(choices)}")
+        close = closest_choice(value, choices)
+        hint = f"did you mean {close!r}? " if close else ""
+        raise ValueError(f"{path}: unknown {value!r}; {hint}choose one of {', '.join(choices)}")
 
 
 def rollout_world(spec: JobSpec) -> int:
