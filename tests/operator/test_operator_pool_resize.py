@@ -20,7 +20,11 @@ pytestmark = pytest.mark.operator
 
 
 def pool_job(name: str, num_nodes: int, rollout_nodes: int) -> dict:
+    """The async example at ``num_nodes`` nodes, ``rollout_nodes`` of them rollout, without the
+    example's resize bounds (minNodes 3, maxNodes 5 for its autoscaler): the sizes here are 2 and 3."""
     doc = async_job(name)
+    for bound in ("minNodes", "maxNodes"):
+        doc["spec"]["cluster"].pop(bound, None)
     doc["spec"]["cluster"]["numNodes"] = num_nodes
     doc["spec"]["async"]["rolloutPool"] = {"numNodes": rollout_nodes}
     return doc
