@@ -134,7 +134,7 @@ def test_parquet_files_are_read_before_workers(tmp_path):
     pq.write_table(pa.table({"text": ["hi"]}), wrong)
     assert "has records distflow cannot read" in _preflight_message(_with_train_file(wrong))
     good = tmp_path / "good.parquet"
-    pq.write_table(pa.Table.from_pylist([GSM8K_ROW]), good)
+    pq.write_table(pa.Table.from_pylist([GSM8K_ROW] * 8), good)  # one batch (data.trainBatchSize 8)
     preflight(parse_spec(_with_train_file(good)))
 
 

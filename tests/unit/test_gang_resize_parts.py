@@ -203,21 +203,35 @@ def test_a_pod_that_reads_its_spec_after_an_in_place_resize_starts_at_its_own_si
     assert spec_at_pod_size(spec, 2, ResizeRequest(4, in_place=True)) is spec  # a request for another size
 
 
-@pytest.mark.parametrize("cluster, checkpoint, warned", [
-    ({"numNodes": 2, "minNodes": 2, "maxNodes": 4}, {}, True),
-    ({"numNodes": 2, "minNodes": 2, "maxNodes": 4}, {"dir": "ckpt"}, False),
-    ({"numNodes": 2, "minNodes": 2, "maxNodes": 2}, {}, False),  # the bounds pin the size
+NO_CHECKPOINT = ("cluster.minNodes/maxNodes let the job be resized (kubectl scale, an autoscaler), but without "
+                 "checkpoint.dir a resize starts the training over at step 0; set checkpoint.dir (a volume every "
+                 "node pod mounts)")
+NOT_SHARED = "is on no volume of template.persistentVolumeClaims or template.volumeMounts"
+PVC = {"persistentVolumeClaims": [{"name": "ckpt", "claimName": "shared", "mountPath": "/shared"}]}
+
+
+@pytest.mark.parametrize("cluster, checkpoint, template, warned", [
+    ({"numNodes": 2, "minNodes": 2, "maxNodes": 4}, None, {}, [NO_CHECKPOINT]),
+    ({"numNodes": 2, "minNodes": 2, "maxNodes": 4}, "@TMP@/ckpt", {}, [NOT_SHARED]),  # each pod its own
+    ({"numNodes": 2, "minNodes": 2, "maxNodes": 4}, "/shared/run1", PVC, []),
+    ({"numNodes": 2, "minNodes": 2, "maxNodes": 4}, "/data/ckpt", {"volumeMounts": [{"name": "d", "mountPath": "/data"}]},
+     []),
+    ({"numNodes": 2, "minNodes": 2, "maxNodes": 4}, "/sharedx/run1", PVC, [NOT_SHARED]),  # not under /shared
+    ({"numNodes": 2, "minNodes": 2, "maxNodes": 2}, None, {}, []),  # the bounds pin the size
+    # 5 and 7 nodes cannot split 12 prompts: an autoscaler asking for them would be refused
+    ({"numNodes": 2, "minNodes": 2, "maxNodes": 7}, "/shared/run1", PVC,
+     ["cluster.minNodes/maxNodes allow sizes the spec refuses, so kubectl scale or an autoscaler asking for them "
+      "is refused: 5 (data.trainBatchSize), 7 (data.trainBatchSize); narrow the bounds or change those fields"]),
 ])
-def test_validate_warns_that_a_resizable_job_without_checkpoint_dir_starts_over(cluster, checkpoint, warned,
-                                                                                 tmp_path, capsys):
+def test_validate_warns_of_what_a_resizable_job_would_lose(cluster, checkpoint, template, warned, tmp_path, capsys):
     from distflow import cli
 
     config = tmp_path / "job.yaml"
-    config.write_text(yaml.safe_dump({
-        "model": {"path": "tiny"}, "data": {"train": {"path": "arithmetic"}, "trainBatchSize": 4},
-        "cluster": cluster, "checkpoint": {k: str(tmp_path / v) for k, v in checkpoint.items()}}))
+    doc = {"model": {"path": "tiny"}, "data": {"train": {"path": "arithmetic"}, "trainBatchSize": 12},
+           "cluster": cluster, "template": template}
+    if checkpoint:
+        doc["checkpoint"] = {"dir": checkpoint.replace("@TMP@", str(tmp_path))}
+    config.write_text(yaml.safe_dump(doc))
     assert cli.main(["validate", str(config)]) == 0
-    err = capsys.readouterr().err
-    assert (err == "distflow: warning: cluster.minNodes/maxNodes let the job be resized (kubectl scale, an "
-                   "autoscaler), but without checkpoint.dir a resize starts the training over at step 0; set "
-                   "checkpoint.dir (a volume every node pod mounts)\n") if warned else err == ""
+    lines = [line.removeprefix("distflow: warning: ") for line in capsys.readouterr().err.splitlines()]
+    assert len(lines) == len(warned) and all(w in line for w, line in zip(warned, lines)), lines

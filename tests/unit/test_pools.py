@@ -109,7 +109,7 @@ def test_dynamic_sampling_and_nodes_after_the_crossing_are_refused_by_the_planne
              {"id": "score", "role": "reward", "kind": "compute", "deps": ["gen"]},
              {"id": "ref", "role": "reference", "kind": "inference", "deps": ["score"]},
              {"id": "adv", "role": "advantage", "kind": "compute", "deps": ["ref"]},
-             {"id": "train", "role": "actor", "kind": "train", "deps": ["adv"]}]
+             {"id": "act", "role": "actor", "kind": "train", "deps": ["adv"]}]
     with pytest.raises(DistflowConfigError, match="spec.async.enable: node 'adv' \\(role advantage\\) needs the "
                                                    "rollout placement after 'ref'"):
         build_plan(_spec(workflow={"nodes": nodes}, algorithm={"useKlLoss": False},

@@ -62,6 +62,8 @@ def test_camel_and_snake_case_are_both_accepted():
      "(got 'TIS'); did you mean 'tis'?"),
     ({**MINIMAL, "async": {"offPolicyCorrection": "foo"}}, "spec.async.offPolicyCorrection",
      "(got 'foo'); use one of 'tis', 'none'"),
+    ({**MINIMAL, "async": {"offPolicyCorrection": None}}, "spec.async.offPolicyCorrection",
+     "(got None); YAML reads null, ~ and an empty value as no value; to turn it off, use 'none'"),
     ({**MINIMAL, "async": {"tisCap": 0.5}}, "spec.async.tisCap", "(got 0.5); use a value >= 1"),
     ({**MINIMAL, "async": {"tisCap": float("inf")}}, "spec.async.tisCap", "use a finite number"),
     # YAML 1.1 reads 1e3 as text: say what to write
@@ -76,6 +78,27 @@ def test_camel_and_snake_case_are_both_accepted():
     ({**MINIMAL, "algorithm": {"klLossType": "lowvar_kl"}}, "spec.algorithm.klLossType",
      "did you mean 'low_var_kl'?"),
     ({**MINIMAL, "algorithm": {"lossAggMode": "mean"}}, "spec.algorithm.lossAggMode", "token-mean"),
+    ({**MINIMAL, "algorithm": {"advantageEstimator": "gae"}}, "spec.algorithm.advantageEstimator",
+     "gae computes advantages from a critic's values, and the grpo workflow has no critic; use workflow.name: ppo"),
+    # seeds numpy and torch take: 0 .. 2**32 - 1 (numpy refuses a negative one, torch one of 2**64)
+    ({**MINIMAL, "data": {"train": {"path": "arithmetic", "seed": -5}}}, "spec.data.train.seed",
+     "(got -5); use a value >= 0"),
+    ({**MINIMAL, "data": {"train": {"path": "arithmetic"}, "seed": -1}}, "spec.data.seed", "use a value >= 0"),
+    ({**MINIMAL, "trainer": {"seed": 2**64}}, "spec.trainer.seed", "use a value <= 4294967295"),
+    # pod resources and tolerations as the API server would take them in the operator's pods
+    ({**MINIMAL, "template": {"resources": {"cpu": "2"}}}, "spec.template.resources.cpu",
+     "a container's resources have requests and limits; put it under requests"),
+    ({**MINIMAL, "template": {"resources": {"requests": {"cpu": "two"}}}}, "spec.template.resources.requests.cpu",
+     "'two' is not a Kubernetes quantity"),
+    ({**MINIMAL, "template": {"resources": {"limits": {"memory": "4GB"}}}}, "spec.template.resources.limits.memory",
+     "'4GB' is not a Kubernetes quantity"),
+    ({**MINIMAL, "template": {"tolerations": [{"key": "x", "operator": "Bogus"}]}},
+     "spec.template.tolerations[0].operator", "'Bogus'; use Exists or Equal"),
+    ({**MINIMAL, "template": {"tolerations": [{"key": "x", "operator": "Exists", "effect": "NoSchedul"}]}},
+     "spec.template.tolerations[0].effect", "did you mean 'NoSchedule'?"),
+    ({**MINIMAL, "cluster": {"numNodes": 2}, "data": {"train": {"path": "arithmetic"}, "trainBatchSize": 4},
+      "async": {"enable": True, "rolloutPool": {"numNodes": 1, "resources": {"memory": "4Gi"}}}},
+     "spec.async.rolloutPool.resources.memory", "put it under requests"),
     ({**MINIMAL, "cluster": {"numNodes": 2}, "data": {"train": {"path": "x"}, "trainBatchSize": 3}},
      "spec.data.trainBatchSize", "multiple of 2"),
     ({**MINIMAL, "actor": {"ppoMiniBatchSize": 3}}, "spec.actor.ppoMiniBatchSize", "divisor of 8"),
@@ -293,3 +316,87 @@ def test_resize_bounds_hold_num_nodes(cluster, expected):
     assert _problems({**MINIMAL, "cluster": cluster}) == expected
     spec = parse_spec({**MINIMAL, "cluster": {"numNodes": 2, "minNodes": 2, "maxNodes": 4}})
     assert (spec.cluster.min_nodes, spec.cluster.num_nodes, spec.cluster.max_nodes) == (2, 2, 4)
+
+
+def test_kubernetes_quantities_and_tolerations_the_api_server_takes_pass():
+    parse_spec({**MINIMAL, "template": {
+        "resources": {"requests": {"cpu": "500m", "memory": "4Gi", "ephemeral-storage": "1e9"},
+                      "limits": {"cpu": 2, "memory": "4096M", "example.com/fpga": "1"}},
+        "tolerations": [{"operator": "Exists"}, {"key": "gpu", "operator": "Equal", "value": "a100",
+                                                 "effect": "NoSchedule"}, {"key": "spot", "effect": "NoExecute"}]}})
+
+
+def test_node_ids_the_runtime_times_itself_are_refused():
+    from distflow.planner import build_plan
+
+    def nodes(actor_id):
+        return [{"id": "gen", "role": "rollout", "kind": "inference"},
+                {"id": "score", "role": "reward", "kind": "compute", "deps": ["gen"]},
+                {"id": "adv", "role": "advantage", "kind": "compute", "deps": ["score"]},
+                {"id": actor_id, "role": "actor", "kind": "train", "deps": ["adv"]}]
+
+    def plan(actor_id, **extra):
+        return build_plan(parse_spec({**MINIMAL, "algorithm": {"useKlLoss": False},
+                                      "workflow": {"nodes": nodes(actor_id)}, **extra}))
+
+    with pytest.raises(DistflowConfigError, match=r"spec.workflow.nodes\[3\].id: 'step' names the step's own time "
+                                                  r"\(timing_s/step: the step duration and throughput\); rename "
+                                                  r"the node \(e.g. actor_step\)"):
+        plan("step")
+    plan("train")  # sync mode times no pool
+    pooled = {"cluster": {"numNodes": 2}, "data": {"train": {"path": "arithmetic"}, "trainBatchSize": 4},
+              "async": {"enable": True, "offPolicyCorrection": "none", "rolloutPool": {"numNodes": 1}}}
+    with pytest.raises(DistflowConfigError, match=r"nodes\[3\].id: 'train' names the trainer pool's time per step"):
+        plan("train", **pooled)
+    assert plan("update", **pooled).pooled
+
+
+def test_preflight_refuses_fewer_training_prompts_than_one_batch(tmp_path):
+    from distflow.preflight import preflight
+
+    with pytest.raises(DistflowConfigError, match=r"spec.data.train: 2 prompts, fewer than one batch "
+                                                  r"\(data.trainBatchSize=4\); lower data.trainBatchSize to at "
+                                                  r"most 2 or raise data.train.size"):
+        preflight(parse_spec({**MINIMAL, "data": {"train": {"path": "arithmetic", "size": 2}, "trainBatchSize": 4}}))
+    small = tmp_path / "small.jsonl"
+    small.write_text("".join(f'{{"question": "{i} + 1?", "answer": "#### {i + 1}"}}\n' for i in range(3)))
+    with pytest.raises(DistflowConfigError, match=r"3 prompts, fewer than one batch .* or give a file with more"):
+        preflight(parse_spec({**MINIMAL, "data": {"train": {"path": str(small)}, "trainBatchSize": 4}}))
+    preflight(parse_spec({**MINIMAL, "data": {"train": {"path": str(small)}, "trainBatchSize": 3}}))
+
+
+@pytest.mark.parametrize("text, line, key, first", [
+    ("model: {path: tiny}\ndata: {train: {path: arithmetic}}\ncluster:\n  numNodes: 2\n  maxNodes: 4\n"
+     "cluster:\n  numNodes: 1\n", 6, "cluster", 3),
+    ("model: {path: tiny}\ndata: {train: {path: arithmetic, size: 8, size: 16}}\n", 2, "size", 2),
+])
+def test_a_key_given_twice_is_refused_naming_both_lines(tmp_path, text, line, key, first):
+    config = tmp_path / "job.yaml"
+    config.write_text(text)
+    with pytest.raises(DistflowConfigError, match=rf"job.yaml: line {line}: the key '{key}' is given twice "
+                                                  rf"\(first on line {first}\)"):
+        load_job_spec(config)
+
+
+def test_yaml_merge_keys_may_still_be_overridden(tmp_path):
+    config = tmp_path / "job.yaml"
+    config.write_text("model: {path: tiny}\ndata: {train: {path: arithmetic}, trainBatchSize: 4}\n"
+                      "cluster: {<<: {numNodes: 1, procsPerNode: 1}, numNodes: 2}\n")
+    assert load_job_spec(config).cluster.num_nodes == 2
+
+
+def test_validate_warns_that_async_settings_without_async_enable_are_ignored(tmp_path, capsys):
+    from distflow import cli
+
+    config = tmp_path / "job.yaml"
+    config.write_text(yaml.safe_dump({**MINIMAL, "async": {"maxStaleness": 3, "rolloutPool": {"numNodes": 1}}}))
+    assert cli.main(["validate", str(config)]) == 0
+    captured = capsys.readouterr()
+    assert captured.err == ("distflow: warning: async.maxStaleness, async.rolloutPool: ignored, as async.enable is "
+                            "false (the job trains synchronously); set async.enable: true for two pools, or remove "
+                            "them\n")
+    assert "workflow grpo" in captured.out
+    config.write_text(yaml.safe_dump({**MINIMAL, "async": {"enable": False}, "workflow": {"name": None}}))
+    assert cli.main(["validate", str(config)]) == 0
+    captured = capsys.readouterr()
+    assert captured.err == "" and "workflow grpo" in captured.out

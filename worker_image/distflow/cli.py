@@ -125,7 +125,7 @@ def cmd_validate(args) -> int:
         # What `distflow run` refuses at its start: a checkpoint made from another model or workflow
         # (the model's shape is compared there, once the model is resolved).
         check_resume(spec, None)
-    for warning in resize_warnings(spec):
+    for warning in resize_warnings(spec) + ignored_async_warnings(spec):
         print(f"distflow: warning: {warning}", file=sys.stderr)
     workers = f"{spec.world_size} workers"
     if spec.async_.enable:
@@ -134,21 +134,79 @@ def cmd_validate(args) -> int:
                     f"async.maxStaleness {spec.async_.max_staleness};")
     else:
         workers += ","
-    print(f"{args.config}: valid ({workers} workflow {spec.workflow.name if not spec.workflow.nodes else 'custom'})")
+    workflow = "custom" if spec.workflow.nodes else spec.workflow.name or "grpo"
+    print(f"{args.config}: valid ({workers} workflow {workflow})")
     return EXIT_OK
 
 
 def resize_warnings(spec) -> list[str]:
     """What a valid spec loses when it is resized: bounds (``cluster.minNodes``/``maxNodes``) say the job
-    may be resized, and a resize resumes from the step's checkpoint, which needs ``checkpoint.dir``."""
+    may be resized (kubectl scale, an autoscaler), so every size between them should be one the API
+    server accepts, and a resize resumes from the step's checkpoint, which needs ``checkpoint.dir`` on
+    storage every node pod reads (a mounted volume or an object store)."""
     cluster = spec.cluster
-    if (cluster.min_nodes is None and cluster.max_nodes is None) or spec.checkpoint.dir:
+    if cluster.min_nodes is None and cluster.max_nodes is None:
         return []
     if cluster.min_nodes == cluster.max_nodes == cluster.num_nodes:  # the bounds pin the size
         return []
-    return ["cluster.minNodes/maxNodes let the job be resized (kubectl scale, an autoscaler), but without "
-            "checkpoint.dir a resize starts the training over at step 0; set checkpoint.dir (a volume every "
-            "node pod mounts)"]
+    warnings = []
+    if refused := refused_sizes(spec):
+        sizes = ", ".join(f"{size} ({reason})" for size, reason in refused)
+        warnings.append(f"cluster.minNodes/maxNodes allow sizes the spec refuses, so kubectl scale or an "
+                        f"autoscaler asking for them is refused: {sizes}; narrow the bounds or change those "
+                        f"fields")
+    directory = spec.checkpoint.dir
+    if not directory:
+        warnings.append("cluster.minNodes/maxNodes let the job be resized (kubectl scale, an autoscaler), but "
+                        "without checkpoint.dir a resize starts the training over at step 0; set checkpoint.dir "
+                        "(a volume every node pod mounts)")
+    elif "://" not in directory and not _mounted(spec.template, directory):
+        warnings.append(f"checkpoint.dir: {directory!r} is on no volume of template.persistentVolumeClaims or "
+                        f"template.volumeMounts, so on Kubernetes each node pod writes its own and a resize or "
+                        f"restart (new pods) starts over; mount a volume every node pod shares there (a "
+                        f"ReadWriteMany PVC) or use an object store URL (s3://bucket/prefix)")
+    return warnings
+
+
+def refused_sizes(spec: JobSpec, most: int = 64) -> list[tuple[int, str]]:
+    """The node counts between ``cluster.minNodes`` (1 if unset) and ``cluster.maxNodes`` that the
+    spec refuses (a resize to them is refused at the API server or by the operator), each with the
+    first problem's field: ``[(size, field)]``. Empty without ``maxNodes`` or beyond ``most`` sizes."""
+    from distflow.spec.loading import parse_spec
+
+    cluster = spec.cluster
+    if cluster.max_nodes is None or cluster.max_nodes - (cluster.min_nodes or 1) >= most:
+        return []
+    data = spec.model_dump(exclude_none=True)
+    refused = []
+    for size in range(cluster.min_nodes or 1, cluster.max_nodes + 1):
+        if size == cluster.num_nodes:
+            continue
+        data["cluster"]["numNodes"] = size
+        try:
+            parse_spec(data)
+        except DistflowConfigError as err:
+            refused.append((size, err.problems[0].split(":", 1)[0].removeprefix("spec.")))
+    return refused
+
+
+def ignored_async_warnings(spec) -> list[str]:
+    """The ``async`` settings a job without ``async.enable`` ignores (it trains synchronously)."""
+    section = spec.async_
+    given = sorted(section.model_fields_set - {"enable"})
+    if section.enable or not given:
+        return []
+    fields = ", ".join(f"async.{section.model_fields[name].alias or name}" for name in given)
+    return [f"{fields}: ignored, as async.enable is false (the job trains synchronously); set async.enable: true "
+            f"for two pools, or remove them"]
+
+
+def _mounted(template, directory: str) -> bool:
+    """Whether ``directory`` (a path in the node container) is under one of ``template``'s mounts."""
+    mounts = [pvc.mount_path for pvc in template.persistent_volume_claims]
+    mounts += [m.get("mountPath", "") for m in template.volume_mounts if isinstance(m, dict)]
+    path = Path(directory)
+    return any(m and path.is_relative_to(Path(m)) for m in mounts)
 
 
 def cmd_node(args) -> int:

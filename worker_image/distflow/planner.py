@@ -209,14 +209,31 @@ def _needs_old_log_probs(spec: JobSpec) -> bool:
     return spec.actor.ppo_epochs > 1 or mini < spec.data.train_batch_size or stale
 
 
-def _validate_nodes(nodes: list[WorkflowNodeSpec]) -> list[str]:
+RESERVED_NODE_IDS = {
+    "step": "the step's own time (timing_s/step: the step duration and throughput)",
+    "weight_sync": "the weight sync's time (timing_s/weight_sync)",
+}
+"""Stage names the runtime times itself: a node of that id would overwrite them (a node's time is
+``timing_s/<id>``, exported as ``distflow_stage_duration_seconds{stage="<id>"}``)."""
+POOL_STAGE_IDS = {
+    "generate": "the rollout pool's time per step in async mode (timing_s/generate, read by autoscalers)",
+    "train": "the trainer pool's time per step in async mode (timing_s/train, read by autoscalers)",
+}
+"""Stage names reserved with ``async.enable`` (``distflow.pools``)."""
+
+
+def _validate_nodes(nodes: list[WorkflowNodeSpec], pooled: bool = False) -> list[str]:
     problems = []
     ids = [n.id for n in nodes]
     for dup in sorted({i for i in ids if ids.count(i) > 1}):
         problems.append(f"spec.workflow.nodes: id {dup!r} is used twice; give each node a unique id")
     known = set(ids)
+    reserved = {**RESERVED_NODE_IDS, **(POOL_STAGE_IDS if pooled else {})}
     for i, n in enumerate(nodes):
         path = f"spec.workflow.nodes[{i}]"
+        if n.id in reserved:
+            problems.append(f"{path}.id: {n.id!r} names {reserved[n.id]}; rename the node "
+                            f"(e.g. {n.role}_{n.id}) and the deps that name it")
         if n.role not in NODE_ROLES:
             problems.append(f"{path}.role: unknown role {n.role!r}; choose one of {', '.join(NODE_ROLES)}")
         for d in n.deps:
@@ -391,7 +408,7 @@ def build_plan(spec: JobSpec) -> Plan:
     """
     wf = spec.workflow
     nodes = list(wf.nodes) if wf.nodes is not None else builtin_workflow(wf.name or "grpo", spec)
-    problems = _validate_nodes(nodes)
+    problems = _validate_nodes(nodes, pooled=spec.async_.enable)
     if problems:
         raise DistflowConfigError(problems)
     if cycle := find_cycle({n.id: list(n.deps) for n in nodes}):

@@ -39,12 +39,30 @@ def preflight(spec: JobSpec) -> None:
 
 
 def data_problems(spec: JobSpec):
-    """``spec.data.<train|eval>.path: ...`` for each data file that no worker could read."""
-    from distflow.data.sources import DATA_SUFFIXES, data_file_problem
+    """``spec.data.<train|eval>.path: ...`` for each data file that no worker could read, and
+    ``spec.data.train: ...`` when the training prompts (a file's records, capped at
+    ``data.train.size``, or the built-in task's ``size``) are fewer than one batch."""
+    from distflow.data.sources import dataset_source
 
     for name, ds in (("train", spec.data.train), ("eval", spec.data.eval)):
-        if ds is None or ds.arithmetic_split is not None:
+        if ds is None:
             continue
+        problems = list(_file_problems(name, ds))
+        yield from problems
+        if name == "train" and not problems:
+            count, batch = dataset_source(ds).num_records, spec.data.train_batch_size
+            if count < batch:
+                more = ("raise data.train.size" if ds.arithmetic_split is not None or ds.size is not None
+                        else "give a file with more records")
+                yield (f"spec.data.train: {count} prompts, fewer than one batch (data.trainBatchSize={batch}); "
+                       f"lower data.trainBatchSize to at most {count} or {more}")
+
+
+def _file_problems(name: str, ds):
+    """Why ``data.<name>.path`` (a file; a built-in task has none) cannot be read."""
+    from distflow.data.sources import DATA_SUFFIXES, data_file_problem
+
+    if ds.arithmetic_split is None:
         field = f"spec.data.{name}.path"
         if Path(ds.path).is_dir():
             yield (f"{field}: {ds.path!r} is a directory; give one .jsonl or .parquet file in it "

@@ -145,6 +145,10 @@ def _fix_for(error_type: str, ctx: dict, given: Any = None) -> str | None:
             return "YAML reads no and off as false; to turn it off, use 'none'"
         return (f"YAML reads yes, no, on and off as true and false, and none of them is a choice here; "
                 f"use one of {', '.join(map(repr, choices))}")
+    if error_type == "literal_error" and given is None:
+        if "none" in choices:
+            return "YAML reads null, ~ and an empty value as no value; to turn it off, use 'none'"
+        return f"use one of {', '.join(map(repr, choices))}, or leave the field out for its default"
     if error_type == "literal_error" and isinstance(given, str):
         close = closest_choice(given, choices)
         return f"did you mean {close!r}?" if close else f"use one of {', '.join(map(repr, choices))}"
@@ -317,14 +321,44 @@ def render_spec_document(spec: JobSpec) -> dict[str, Any]:
             "spec": dump_spec_portable(spec)}
 
 
+class _DuplicateKey(Exception):
+    def __init__(self, key: Any, line: int, first_line: int):
+        super().__init__(f"line {line}: the key {key!r} is given twice (first on line {first_line}); a YAML "
+                         f"reader keeps only the last, dropping what the first held (kubectl refuses the file): "
+                         f"merge the two")
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """PyYAML's safe loader, refusing a mapping that repeats a key (PyYAML keeps the last one
+    silently; kubectl and the API server's strict decoding refuse it). Merge keys (``<<``) may
+    still be overridden."""
+
+    def construct_mapping(self, node, deep=False):
+        seen: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue
+            key = self.construct_object(key_node, deep=True)
+            try:
+                if key in seen:
+                    raise _DuplicateKey(key, key_node.start_mark.line + 1, seen[key])
+            except TypeError:  # an unhashable key: the base constructor says so
+                continue
+            seen[key] = key_node.start_mark.line + 1
+        return super().construct_mapping(node, deep)
+
+
 def _read_document(path: Path) -> dict[str, Any]:
     """The YAML mapping in ``path``.
 
     Raises:
-        DistflowConfigError: file missing, not YAML, not a mapping, or a manifest without a spec.
+        DistflowConfigError: file missing, not YAML, a key given twice in a mapping, not a mapping,
+            or a manifest without a spec.
     """
     try:
-        doc = yaml.safe_load(path.read_text())
+        doc = yaml.load(path.read_text(), Loader=_UniqueKeyLoader)  # noqa: S506 (a SafeLoader)
+    except _DuplicateKey as err:
+        raise DistflowConfigError(f"{path}: {err}") from None
     except FileNotFoundError:
         raise DistflowConfigError(f"{path}: no such file") from None
     except IsADirectoryError:

@@ -22,6 +22,10 @@ from distflow.spec.pools import AsyncSpec
 from distflow.spec.ray import RaySpec
 from distflow.spec.validation import check_choice, size_problems
 
+MAX_SEED = 2**32 - 1
+"""The largest seed: numpy's and torch's generators take any 32-bit seed (numpy refuses a
+negative one, torch one of 2**64 or more)."""
+
 
 class ModelSpec(SpecBase):
     path: str = Field(min_length=1)
@@ -57,8 +61,8 @@ class DatasetSpec(SpecBase):
     size: int | None = Field(default=None, ge=1)
     """For built-in tasks: how many prompts to generate. For files: use at most
     this many records (None: all)."""
-    seed: int = 0
-    """For built-in tasks: the generator seed."""
+    seed: int = Field(default=0, ge=0, le=MAX_SEED)
+    """For built-in tasks: the generator seed (0 to 2**32 - 1)."""
     min_operand: int = Field(default=10, ge=0)
     """arithmetic task: smallest operand."""
     max_operand: int = Field(default=99, ge=1)
@@ -92,8 +96,8 @@ class DataSpec(SpecBase):
     """Generated tokens per response at most."""
     shuffle: bool = True
     """Seeded global shuffle, identical on every rank."""
-    seed: int = 0
-    """Shuffle seed."""
+    seed: int = Field(default=0, ge=0, le=MAX_SEED)
+    """Shuffle seed (0 to 2**32 - 1)."""
     system_prompt: str | None = None
     """A system message put before every prompt (None: the chat template's default)."""
     reward_fn: str | None = None
@@ -380,8 +384,8 @@ class CheckpointSpec(SpecBase):
 class TrainerSpec(SpecBase):
     total_steps: int = Field(default=10, ge=1)
     """Training steps."""
-    seed: int = 0
-    """Seed for model init, sampling and dropout."""
+    seed: int = Field(default=0, ge=0, le=MAX_SEED)
+    """Seed for model init, sampling and dropout (0 to 2**32 - 1)."""
     eval_every_steps: int = Field(default=0, ge=0)
     """Score the eval set every k steps (0: only before and after training)."""
     log_dir: str = "runs/distflow"

@@ -9,6 +9,7 @@ prefixes the root). The operator's CRD mirrors the size checks as CEL rules
 from __future__ import annotations
 
 import difflib
+import re
 from typing import TYPE_CHECKING
 
 from distflow.names import ARITHMETIC_SPLITS, BUILTIN_REWARDS, GROUP_ESTIMATORS, TINY_TOKENIZERS
@@ -113,21 +114,54 @@ GPU_RESOURCE = "nvidia.com/gpu"
 """The accelerator resource the operator adds to each node pod from cluster.acceleratorsPerNode."""
 
 
+_QUANTITY = re.compile(r"^[+]?(\d+(\.\d*)?|\.\d+)([KMGTPE]i|[numkMGTPE]|[eE][+-]?\d+)?$")
+"""A Kubernetes resource quantity (k8s.io/apimachinery resource.Quantity): a number with an optional
+binary (Ki, Mi, Gi, ...), decimal (m, k, M, G, ...) or exponent suffix."""
+TOLERATION_OPERATORS = ("Exists", "Equal")
+TAINT_EFFECTS = ("NoSchedule", "PreferNoSchedule", "NoExecute")
+
+
 def _pod_resource_problems(spec: JobSpec):
-    """The node pods' container resources (Kubernetes): mappings of resource -> quantity, without the
-    accelerator count, which the operator sets from ``cluster.acceleratorsPerNode`` (a second count in
-    the template would disagree with the workers' device plan)."""
-    sources = [("template.resources", spec.template.resources)]
+    """The node pods' container resources and tolerations (Kubernetes), checked as the API server
+    would check the pods the operator creates (a bad one would end the job PodCreationRejected, or,
+    for a resource outside ``requests``/``limits``, be dropped and leave the pod without requests):
+    ``requests``/``limits`` mappings of resource -> quantity, without the accelerator count, which
+    the operator sets from ``cluster.acceleratorsPerNode`` (a second count in the template would
+    disagree with the workers' device plan); tolerations with a known operator and effect."""
+    sources = [("template", spec.template.resources, spec.template.tolerations)]
     if spec.async_.enable:
-        sources.append(("async.rolloutPool.resources", spec.async_.rollout_pool.resources))
-    for field, resources in sources:
+        pool = spec.async_.rollout_pool
+        sources.append(("async.rolloutPool", pool.resources, pool.tolerations))
+    for owner, resources, tolerations in sources:
+        field = f"{owner}.resources"
+        for key in resources:
+            if key not in ("requests", "limits", "claims"):
+                yield (f"{field}.{key}: a container's resources have requests and limits; put it under "
+                       f"requests (resources: {{requests: {{{key}: ...}}}}) or limits")
         for kind in ("requests", "limits"):
             section = resources.get(kind)
             if section is not None and not isinstance(section, dict):
                 yield f"{field}.{kind}: expected a mapping of resource -> quantity, got {type(section).__name__}"
-            elif section and GPU_RESOURCE in section:
-                yield (f"{field}.{kind}.{GPU_RESOURCE}: set cluster.acceleratorsPerNode instead "
-                       f"(the operator adds {GPU_RESOURCE} to every node pod from it); remove it here")
+                continue
+            for name, quantity in (section or {}).items():
+                if name == GPU_RESOURCE:
+                    yield (f"{field}.{kind}.{GPU_RESOURCE}: set cluster.acceleratorsPerNode instead "
+                           f"(the operator adds {GPU_RESOURCE} to every node pod from it); remove it here")
+                elif isinstance(quantity, bool) or not _QUANTITY.match(str(quantity)):
+                    yield (f"{field}.{kind}.{name}: {quantity!r} is not a Kubernetes quantity; write a "
+                           f"number with an optional unit, e.g. cpu: \"2\", cpu: 500m, memory: 4Gi")
+        for i, toleration in enumerate(tolerations):
+            path = f"{owner}.tolerations[{i}]"
+            operator = toleration.get("operator", "Equal")
+            effect = toleration.get("effect")
+            if operator not in TOLERATION_OPERATORS:
+                yield f"{path}.operator: {operator!r}; use {' or '.join(TOLERATION_OPERATORS)}"
+            elif operator == "Exists" and toleration.get("value"):
+                yield f"{path}.value: an Exists toleration takes no value; remove it or use operator: Equal"
+            if effect not in (None, "", *TAINT_EFFECTS):
+                close = closest_choice(str(effect), TAINT_EFFECTS)
+                hint = f"did you mean {close!r}? " if close else ""
+                yield f"{path}.effect: {effect!r}; {hint}use one of {', '.join(TAINT_EFFECTS)} (or leave it out: all)"
 
 
 def _pool_problems(spec: JobSpec):
@@ -218,6 +252,10 @@ def _algorithm_problems(spec: JobSpec):
     if spec.workflow.nodes is None and spec.workflow.name == "ppo" and alg.advantage_estimator != "gae":
         yield (f"algorithm.advantageEstimator: the ppo workflow trains its critic on GAE returns, "
                f"not {alg.advantage_estimator!r}; use gae (or workflow grpo/dapo)")
+    if spec.workflow.nodes is None and spec.workflow.name != "ppo" and alg.advantage_estimator == "gae":
+        yield (f"algorithm.advantageEstimator: gae computes advantages from a critic's values, and the "
+               f"{spec.workflow.name or 'grpo'} workflow has no critic; use workflow.name: ppo (a critic), or an "
+               f"estimator without one: grpo, drgrpo, rloo, reinforce_plus_plus, reinforce_plus_plus_baseline")
 
 
 def _device_problems(spec: JobSpec):
