@@ -217,6 +217,15 @@ PVC = {"persistentVolumeClaims": [{"name": "ckpt", "claimName": "shared", "mount
     ({"numNodes": 2, "minNodes": 2, "maxNodes": 4}, "/data/ckpt", {"volumeMounts": [{"name": "d", "mountPath": "/data"}]},
      []),
     ({"numNodes": 2, "minNodes": 2, "maxNodes": 4}, "/sharedx/run1", PVC, [NOT_SHARED]),  # not under /shared
+    ({"numNodes": 2, "minNodes": 2, "maxNodes": 4}, "/shared/../etc", PVC, [NOT_SHARED]),
+    ({"numNodes": 2, "minNodes": 2, "maxNodes": 4}, "file:///shared/run1", PVC, []),
+    ({"numNodes": 2, "minNodes": 2, "maxNodes": 4}, "ckpt", {"persistentVolumeClaims": [  # the image's workdir
+        {"name": "home", "claimName": "shared", "mountPath": "/home/distflow/"}]}, []),
+    ({"numNodes": 2, "minNodes": 2, "maxNodes": 4}, "/scratch/x", {  # each pod's own emptyDir
+        "volumes": [{"name": "s", "emptyDir": {}}], "volumeMounts": [{"name": "s", "mountPath": "/scratch"}]},
+     [NOT_SHARED]),
+    ({"numNodes": 2, "minNodes": 2, "maxNodes": 4}, "/data/x", {"volumeMounts": [{"name": "d", "mountPath": 5}]},
+     [NOT_SHARED]),
     ({"numNodes": 2, "minNodes": 2, "maxNodes": 2}, None, {}, []),  # the bounds pin the size
     # 5 and 7 nodes cannot split 12 prompts: an autoscaler asking for them would be refused
     ({"numNodes": 2, "minNodes": 2, "maxNodes": 7}, "/shared/run1", PVC,
@@ -235,3 +244,16 @@ def test_validate_warns_of_what_a_resizable_job_would_lose(cluster, checkpoint, 
     assert cli.main(["validate", str(config)]) == 0
     lines = [line.removeprefix("distflow: warning: ") for line in capsys.readouterr().err.splitlines()]
     assert len(lines) == len(warned) and all(w in line for w, line in zip(warned, lines)), lines
+
+
+def test_an_async_job_with_default_fields_is_not_told_its_sizes_are_refused(tmp_path, capsys):
+    from distflow import cli
+
+    config = tmp_path / "job.yaml"
+    config.write_text(yaml.safe_dump({
+        "model": {"path": "tiny"}, "data": {"train": {"path": "arithmetic"}, "trainBatchSize": 4},
+        "cluster": {"numNodes": 3, "minNodes": 2, "maxNodes": 5}, "checkpoint": {"dir": "s3://bucket/run"},
+        "async": {"enable": True, "offPolicyCorrection": "none", "rolloutPool": {"numNodes": 1}}}))
+    assert cli.main(["validate", str(config)]) == 0
+    err = capsys.readouterr().err  # 2 nodes leave one trainer: valid; none of 2..5 is refused
+    assert err == "", err

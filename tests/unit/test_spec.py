@@ -94,6 +94,22 @@ def test_camel_and_snake_case_are_both_accepted():
      "'4GB' is not a Kubernetes quantity"),
     ({**MINIMAL, "template": {"tolerations": [{"key": "x", "operator": "Bogus"}]}},
      "spec.template.tolerations[0].operator", "'Bogus'; use Exists or Equal"),
+    ({**MINIMAL, "template": {"tolerations": [{"key": "x", "operator": "exists"}]}},
+     "spec.template.tolerations[0].operator", "'exists'; did you mean 'Exists'? use Exists or Equal"),
+    ({**MINIMAL, "template": {"tolerations": [{"value": "x"}]}}, "spec.template.tolerations[0].key",
+     "a toleration without a key matches every taint only with operator: Exists"),
+    ({**MINIMAL, "template": {"tolerations": [{"key": "x", "effect": "NoSchedule", "tolerationSeconds": 60}]}},
+     "spec.template.tolerations[0].tolerationSeconds", "only a NoExecute toleration has one"),
+    ({**MINIMAL, "template": {"resources": {"request": {"cpu": "2"}}}}, "spec.template.resources.request",
+     "did you mean 'requests'?"),
+    ({**MINIMAL, "template": {"resources": {"requests": {"cpus": "2"}}}}, "spec.template.resources.requests.cpus",
+     "did you mean 'cpu'? a resource without a domain is one of cpu, memory, ephemeral-storage"),
+    ({**MINIMAL, "template": {"resources": {"requests": {"memory": "-1"}}}},
+     "spec.template.resources.requests.memory", "'-1' is negative; use 0 or more"),
+    ({**MINIMAL, "template": {"resources": {"requests": {"cpu": "2\n"}}}}, "spec.template.resources.requests.cpu",
+     "is not a Kubernetes quantity"),
+    ({**MINIMAL, "template": {"resources": {"limits": {"example.com/fpga": 0.5}}}},
+     "spec.template.resources.limits.example.com/fpga", "counted in whole units"),
     ({**MINIMAL, "template": {"tolerations": [{"key": "x", "operator": "Exists", "effect": "NoSchedul"}]}},
      "spec.template.tolerations[0].effect", "did you mean 'NoSchedule'?"),
     ({**MINIMAL, "cluster": {"numNodes": 2}, "data": {"train": {"path": "arithmetic"}, "trainBatchSize": 4},
@@ -320,10 +336,12 @@ def test_resize_bounds_hold_num_nodes(cluster, expected):
 
 def test_kubernetes_quantities_and_tolerations_the_api_server_takes_pass():
     parse_spec({**MINIMAL, "template": {
-        "resources": {"requests": {"cpu": "500m", "memory": "4Gi", "ephemeral-storage": "1e9"},
-                      "limits": {"cpu": 2, "memory": "4096M", "example.com/fpga": "1"}},
+        "resources": {"requests": {"cpu": "500m", "memory": "4Gi", "ephemeral-storage": "1e9", "hugepages-2Mi": "1Gi"},
+                      "limits": {"cpu": 2, "memory": "4096M", "example.com/fpga": "1", "example.com/x": "1.5Ki"}},
         "tolerations": [{"operator": "Exists"}, {"key": "gpu", "operator": "Equal", "value": "a100",
-                                                 "effect": "NoSchedule"}, {"key": "spot", "effect": "NoExecute"}]}})
+                                                 "effect": "NoSchedule"}, {"key": "spot", "effect": "NoExecute",
+                                                                           "tolerationSeconds": 30},
+                        {"key": "a", "operator": "", "value": "b"}, {"key": "c", "operator": None}]}})
 
 
 def test_node_ids_the_runtime_times_itself_are_refused():

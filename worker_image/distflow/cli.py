@@ -160,7 +160,7 @@ def resize_warnings(spec) -> list[str]:
         warnings.append("cluster.minNodes/maxNodes let the job be resized (kubectl scale, an autoscaler), but "
                         "without checkpoint.dir a resize starts the training over at step 0; set checkpoint.dir "
                         "(a volume every node pod mounts)")
-    elif "://" not in directory and not _mounted(spec.template, directory):
+    elif ("://" not in directory or directory.startswith("file://")) and not _mounted(spec.template, directory):
         warnings.append(f"checkpoint.dir: {directory!r} is on no volume of template.persistentVolumeClaims or "
                         f"template.volumeMounts, so on Kubernetes each node pod writes its own and a resize or "
                         f"restart (new pods) starts over; mount a volume every node pod shares there (a "
@@ -177,7 +177,8 @@ def refused_sizes(spec: JobSpec, most: int = 64) -> list[tuple[int, str]]:
     cluster = spec.cluster
     if cluster.max_nodes is None or cluster.max_nodes - (cluster.min_nodes or 1) >= most:
         return []
-    data = spec.model_dump(exclude_none=True)
+    data = spec.model_dump(exclude_unset=True)  # the user's fields: a default dumped reads as set
+    data.setdefault("cluster", {})
     refused = []
     for size in range(cluster.min_nodes or 1, cluster.max_nodes + 1):
         if size == cluster.num_nodes:
@@ -196,17 +197,31 @@ def ignored_async_warnings(spec) -> list[str]:
     given = sorted(section.model_fields_set - {"enable"})
     if section.enable or not given:
         return []
-    fields = ", ".join(f"async.{section.model_fields[name].alias or name}" for name in given)
+    fields = ", ".join(f"async.{type(section).model_fields[name].alias or name}" for name in given)
     return [f"{fields}: ignored, as async.enable is false (the job trains synchronously); set async.enable: true "
             f"for two pools, or remove them"]
 
 
+WORKER_WORKDIR = "/home/distflow"
+"""The worker image's working directory (worker_image/Dockerfile): where a relative path in the pod lies."""
+PER_POD_VOLUMES = ("emptyDir", "hostPath", "configMap", "secret", "downwardAPI", "projected", "ephemeral")
+"""Volume types whose contents each pod has to itself (or cannot write): no place for shared checkpoints."""
+
+
 def _mounted(template, directory: str) -> bool:
-    """Whether ``directory`` (a path in the node container) is under one of ``template``'s mounts."""
-    mounts = [pvc.mount_path for pvc in template.persistent_volume_claims]
-    mounts += [m.get("mountPath", "") for m in template.volume_mounts if isinstance(m, dict)]
-    path = Path(directory)
-    return any(m and path.is_relative_to(Path(m)) for m in mounts)
+    """Whether ``directory`` (a path in the node container, relative to the worker image's working
+    directory) is under a writable mount of storage the node pods share: one of ``template``'s
+    PVCs, or a ``volumeMounts`` entry whose volume is not of a per-pod type (``PER_POD_VOLUMES``)."""
+    import posixpath
+
+    per_pod = {v.get("name") for v in template.volumes if isinstance(v, dict) and any(t in v for t in PER_POD_VOLUMES)}
+    mounts = [pvc.mount_path for pvc in template.persistent_volume_claims if not pvc.read_only]
+    mounts += [m["mountPath"] for m in template.volume_mounts
+               if isinstance(m, dict) and isinstance(m.get("mountPath"), str) and not m.get("readOnly")
+               and m.get("name") not in per_pod]
+    path = posixpath.normpath(posixpath.join(WORKER_WORKDIR, directory.removeprefix("file://")))
+    return any(path == posixpath.normpath(m) or path.startswith(posixpath.normpath(m).rstrip("/") + "/")
+               for m in mounts if m)
 
 
 def cmd_node(args) -> int:

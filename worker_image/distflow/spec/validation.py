@@ -114,9 +114,12 @@ GPU_RESOURCE = "nvidia.com/gpu"
 """The accelerator resource the operator adds to each node pod from cluster.acceleratorsPerNode."""
 
 
-_QUANTITY = re.compile(r"^[+]?(\d+(\.\d*)?|\.\d+)([KMGTPE]i|[numkMGTPE]|[eE][+-]?\d+)?$")
+_QUANTITY = re.compile(r"[+-]?(\d+(\.\d*)?|\.\d+)([KMGTPE]i|[numkMGTPE]|[eE][+-]?\d+)?", re.ASCII)
 """A Kubernetes resource quantity (k8s.io/apimachinery resource.Quantity): a number with an optional
 binary (Ki, Mi, Gi, ...), decimal (m, k, M, G, ...) or exponent suffix."""
+CONTAINER_RESOURCES = ("cpu", "memory", "ephemeral-storage")
+"""The resource names a container may request without a domain (besides ``hugepages-<size>``);
+others are extended resources named ``domain/name`` (``example.com/fpga``), in whole units."""
 TOLERATION_OPERATORS = ("Exists", "Equal")
 TAINT_EFFECTS = ("NoSchedule", "PreferNoSchedule", "NoExecute")
 
@@ -136,7 +139,9 @@ def _pod_resource_problems(spec: JobSpec):
         field = f"{owner}.resources"
         for key in resources:
             if key not in ("requests", "limits", "claims"):
-                yield (f"{field}.{key}: a container's resources have requests and limits; put it under "
+                close = closest_choice(str(key), ("requests", "limits"))
+                yield (f"{field}.{key}: did you mean {close!r}?" if close else
+                       f"{field}.{key}: a container's resources have requests and limits; put it under "
                        f"requests (resources: {{requests: {{{key}: ...}}}}) or limits")
         for kind in ("requests", "limits"):
             section = resources.get(kind)
@@ -144,24 +149,66 @@ def _pod_resource_problems(spec: JobSpec):
                 yield f"{field}.{kind}: expected a mapping of resource -> quantity, got {type(section).__name__}"
                 continue
             for name, quantity in (section or {}).items():
-                if name == GPU_RESOURCE:
-                    yield (f"{field}.{kind}.{GPU_RESOURCE}: set cluster.acceleratorsPerNode instead "
-                           f"(the operator adds {GPU_RESOURCE} to every node pod from it); remove it here")
-                elif isinstance(quantity, bool) or not _QUANTITY.match(str(quantity)):
-                    yield (f"{field}.{kind}.{name}: {quantity!r} is not a Kubernetes quantity; write a "
-                           f"number with an optional unit, e.g. cpu: \"2\", cpu: 500m, memory: 4Gi")
+                yield from _quantity_problems(f"{field}.{kind}.{name}", str(name), quantity)
         for i, toleration in enumerate(tolerations):
-            path = f"{owner}.tolerations[{i}]"
-            operator = toleration.get("operator", "Equal")
-            effect = toleration.get("effect")
-            if operator not in TOLERATION_OPERATORS:
-                yield f"{path}.operator: {operator!r}; use {' or '.join(TOLERATION_OPERATORS)}"
-            elif operator == "Exists" and toleration.get("value"):
-                yield f"{path}.value: an Exists toleration takes no value; remove it or use operator: Equal"
-            if effect not in (None, "", *TAINT_EFFECTS):
-                close = closest_choice(str(effect), TAINT_EFFECTS)
-                hint = f"did you mean {close!r}? " if close else ""
-                yield f"{path}.effect: {effect!r}; {hint}use one of {', '.join(TAINT_EFFECTS)} (or leave it out: all)"
+            yield from _toleration_problems(f"{owner}.tolerations[{i}]", toleration)
+
+
+def _quantity_problems(path: str, name: str, quantity):
+    """One container resource: a resource name a container may request, and a quantity the API server
+    takes for it (non-negative; whole units for an extended resource)."""
+    if name == GPU_RESOURCE:
+        yield (f"{path}: set cluster.acceleratorsPerNode instead (the operator adds {GPU_RESOURCE} to every "
+               f"node pod from it); remove it here")
+        return
+    if "/" not in name and name not in CONTAINER_RESOURCES and not name.startswith("hugepages-"):
+        close = closest_choice(name, CONTAINER_RESOURCES)
+        yield (f"{path}: {f'did you mean {close!r}? ' if close else ''}a resource without a domain is one of "
+               f"{', '.join(CONTAINER_RESOURCES)} or hugepages-<size>; name others domain/name")
+        return
+    text = str(quantity)
+    if isinstance(quantity, bool) or not _QUANTITY.fullmatch(text):
+        yield (f"{path}: {quantity!r} is not a Kubernetes quantity; write a number with an optional unit, "
+               f"e.g. cpu: \"2\", cpu: 500m, memory: 4Gi")
+    elif text.startswith("-"):
+        yield f"{path}: {quantity!r} is negative; use 0 or more"
+    elif "/" in name and not name.startswith(("kubernetes.io/", "requests.")) and not _whole(text):
+        yield f"{path}: {quantity!r}; an extended resource is counted in whole units: use a whole number"
+
+
+def _whole(text: str) -> bool:
+    """Whether a quantity (matched by ``_QUANTITY``) is a whole number of units (``1.5Ki`` is 1536)."""
+    from decimal import Decimal
+
+    match = _QUANTITY.fullmatch(text)
+    value, suffix = Decimal(match.group(1)), match.group(3) or ""
+    binary, decimal = "KMGTPE", {"n": -9, "u": -6, "m": -3, "k": 3, "M": 6, "G": 9, "T": 12, "P": 15, "E": 18}
+    if suffix.endswith("i"):
+        value *= 1024 ** (binary.index(suffix[0]) + 1)
+    elif suffix in decimal:
+        value *= Decimal(10) ** decimal[suffix]
+    elif suffix:
+        value *= Decimal(10) ** int(suffix[1:])
+    return value == value.to_integral_value()
+
+
+def _toleration_problems(path: str, toleration: dict):
+    """A pod toleration as the API server validates it (an empty operator means Equal)."""
+    operator = toleration.get("operator") or "Equal"
+    effect = toleration.get("effect")
+    if operator not in TOLERATION_OPERATORS:
+        close = closest_choice(str(operator), TOLERATION_OPERATORS)
+        yield f"{path}.operator: {operator!r}; {f'did you mean {close!r}? ' if close else ''}use Exists or Equal"
+    elif operator == "Exists" and toleration.get("value"):
+        yield f"{path}.value: an Exists toleration takes no value; remove it or use operator: Equal"
+    elif operator == "Equal" and not toleration.get("key"):
+        yield f"{path}.key: a toleration without a key matches every taint only with operator: Exists; add a key or use Exists"
+    if effect not in (None, "", *TAINT_EFFECTS):
+        close = closest_choice(str(effect), TAINT_EFFECTS)
+        hint = f"did you mean {close!r}? " if close else ""
+        yield f"{path}.effect: {effect!r}; {hint}use one of {', '.join(TAINT_EFFECTS)} (or leave it out: all)"
+    elif toleration.get("tolerationSeconds") is not None and effect != "NoExecute":
+        yield f"{path}.tolerationSeconds: only a NoExecute toleration has one; set effect: NoExecute or remove it"
 
 
 def _pool_problems(spec: JobSpec):
