@@ -144,6 +144,8 @@ def resize_warnings(spec) -> list[str]:
     may be resized (kubectl scale, an autoscaler), so every size between them should be one the API
     server accepts, and a resize resumes from the step's checkpoint, which needs ``checkpoint.dir`` on
     storage every node pod reads (a mounted volume or an object store)."""
+    from fsspec.utils import get_protocol
+
     cluster = spec.cluster
     if cluster.min_nodes is None and cluster.max_nodes is None:
         return []
@@ -160,7 +162,7 @@ def resize_warnings(spec) -> list[str]:
         warnings.append("cluster.minNodes/maxNodes let the job be resized (kubectl scale, an autoscaler), but "
                         "without checkpoint.dir a resize starts the training over at step 0; set checkpoint.dir "
                         "(a volume every node pod mounts)")
-    elif ("://" not in directory or directory.startswith("file://")) and not _mounted(spec.template, directory):
+    elif get_protocol(directory) == "file" and not _mounted(spec.template, directory):  # an object store is shared
         warnings.append(f"checkpoint.dir: {directory!r} is on no volume of template.persistentVolumeClaims or "
                         f"template.volumeMounts, so on Kubernetes each node pod writes its own and a resize or "
                         f"restart (new pods) starts over; mount a volume every node pod shares there (a "

@@ -12,7 +12,7 @@ import difflib
 import re
 from typing import TYPE_CHECKING
 
-from distflow.names import ARITHMETIC_SPLITS, BUILTIN_REWARDS, GROUP_ESTIMATORS, TINY_TOKENIZERS
+from distflow.names import ADVANTAGE_ESTIMATORS, ARITHMETIC_SPLITS, BUILTIN_REWARDS, GROUP_ESTIMATORS, TINY_TOKENIZERS
 from distflow.spec.multiturn import tool_problems
 
 if TYPE_CHECKING:
@@ -27,14 +27,18 @@ def closest_choice(given: str, choices) -> str | None:
     return by_lower[close[0]] if close else None
 
 
+def did_you_mean(given: str, choices) -> str:
+    """``"did you mean 'x'? "`` for the closest choice (``closest_choice``), or ``""``: a message's prefix."""
+    close = closest_choice(given, choices)
+    return f"did you mean {close!r}? " if close else ""
+
+
 def check_choice(path: str, value: str, choices: tuple[str, ...]) -> None:
     """Raises:
         ValueError: ``value`` is not one of ``choices``; names the closest choice, and all of them.
     """
     if value not in choices:
-        close = closest_choice(value, choices)
-        hint = f"did you mean {close!r}? " if close else ""
-        raise ValueError(f"{path}: unknown {value!r}; {hint}choose one of {', '.join(choices)}")
+        raise ValueError(f"{path}: unknown {value!r}; {did_you_mean(value, choices)}choose one of {', '.join(choices)}")
 
 
 def rollout_world(spec: JobSpec) -> int:
@@ -162,8 +166,7 @@ def _quantity_problems(path: str, name: str, quantity):
                f"node pod from it); remove it here")
         return
     if "/" not in name and name not in CONTAINER_RESOURCES and not name.startswith("hugepages-"):
-        close = closest_choice(name, CONTAINER_RESOURCES)
-        yield (f"{path}: {f'did you mean {close!r}? ' if close else ''}a resource without a domain is one of "
+        yield (f"{path}: {did_you_mean(name, CONTAINER_RESOURCES)}a resource without a domain is one of "
                f"{', '.join(CONTAINER_RESOURCES)} or hugepages-<size>; name others domain/name")
         return
     text = str(quantity)
@@ -197,16 +200,14 @@ def _toleration_problems(path: str, toleration: dict):
     operator = toleration.get("operator") or "Equal"
     effect = toleration.get("effect")
     if operator not in TOLERATION_OPERATORS:
-        close = closest_choice(str(operator), TOLERATION_OPERATORS)
-        yield f"{path}.operator: {operator!r}; {f'did you mean {close!r}? ' if close else ''}use Exists or Equal"
+        yield f"{path}.operator: {operator!r}; {did_you_mean(str(operator), TOLERATION_OPERATORS)}use Exists or Equal"
     elif operator == "Exists" and toleration.get("value"):
         yield f"{path}.value: an Exists toleration takes no value; remove it or use operator: Equal"
     elif operator == "Equal" and not toleration.get("key"):
         yield f"{path}.key: a toleration without a key matches every taint only with operator: Exists; add a key or use Exists"
     if effect not in (None, "", *TAINT_EFFECTS):
-        close = closest_choice(str(effect), TAINT_EFFECTS)
-        hint = f"did you mean {close!r}? " if close else ""
-        yield f"{path}.effect: {effect!r}; {hint}use one of {', '.join(TAINT_EFFECTS)} (or leave it out: all)"
+        yield (f"{path}.effect: {effect!r}; {did_you_mean(str(effect), TAINT_EFFECTS)}use one of "
+               f"{', '.join(TAINT_EFFECTS)} (or leave it out: all)")
     elif toleration.get("tolerationSeconds") is not None and effect != "NoExecute":
         yield f"{path}.tolerationSeconds: only a NoExecute toleration has one; set effect: NoExecute or remove it"
 
@@ -302,7 +303,7 @@ def _algorithm_problems(spec: JobSpec):
     if spec.workflow.nodes is None and spec.workflow.name != "ppo" and alg.advantage_estimator == "gae":
         yield (f"algorithm.advantageEstimator: gae computes advantages from a critic's values, and the "
                f"{spec.workflow.name or 'grpo'} workflow has no critic; use workflow.name: ppo (a critic), or an "
-               f"estimator without one: grpo, drgrpo, rloo, reinforce_plus_plus, reinforce_plus_plus_baseline")
+               f"estimator without one: {', '.join(e for e in ADVANTAGE_ESTIMATORS if e != 'gae')}")
 
 
 def _device_problems(spec: JobSpec):
